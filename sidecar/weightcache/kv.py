@@ -47,8 +47,9 @@ FreeBytesSampler = Callable[[torch.device], int]
 def _check_bytes(name: str, value: object) -> int:
     # bool is an int subclass; True bytes is always a caller bug, never 1 byte.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__} "
-                        f"{value!r}")
+        raise TypeError(
+            f"{name} must be an int number of bytes, got {type(value).__name__} {value!r}"
+        )
     if value < 0:
         raise ValueError(f"{name} must be >= 0 bytes, got {value}")
     return value
@@ -69,9 +70,7 @@ def _fraction_of(mem_fraction_static: object) -> Fraction:
     double, so a correction of W bytes moves the budget by exactly W * (1 - f)
     whenever that product is a whole number of bytes.
     """
-    if isinstance(mem_fraction_static, bool) or not isinstance(
-        mem_fraction_static, (int, float)
-    ):
+    if isinstance(mem_fraction_static, bool) or not isinstance(mem_fraction_static, (int, float)):
         raise TypeError(
             "mem_fraction_static must be a float in (0, 1], got "
             f"{type(mem_fraction_static).__name__} {mem_fraction_static!r}"
@@ -189,8 +188,10 @@ def min_across_ranks(
     value = _check_bytes("value", value)
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    where = torch.device(device) if device is not None else _reduction_device(
-        str(dist.get_backend(group))
+    where = (
+        torch.device(device)
+        if device is not None
+        else _reduction_device(str(dist.get_backend(group)))
     )
     tensor = torch.tensor([value], dtype=torch.int64, device=where)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)

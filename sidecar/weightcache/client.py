@@ -1,0 +1,288 @@
+"""The engine's IPC loader: attach to a daemon's weights and load them into a module.
+
+    with meta_parameters():
+        model = BertModel(config)            # parameters on meta, buffers real
+    attached = attach(socket_path, expected_config)
+    load_into(model, attached)               # no copies; nothing left on meta
+
+``attached.preloaded_weights_bytes`` is what the KV-cache sizing must add
+back (see :mod:`weightcache.kv`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from weightcache.layout import build_views, check_layout
+from weightcache.protocol import (
+    DEFAULT_MAX_FRAME,
+    CacheConfig,
+    DaemonStatus,
+    ErrorReply,
+    FetchStateReply,
+    FetchStateRequest,
+    PingReply,
+    PingRequest,
+    ProtocolError,
+    StatusReply,
+    StatusRequest,
+    decode_reply,
+    fingerprint,
+    validated_preloaded_bytes,
+)
+from weightcache.transport import default_client_transports, get_client_transport_backend
+from weightcache.transport.base import ImportedMemory
+from weightcache.wire import recv_frame, send_message
+
+
+class DaemonError(RuntimeError):
+    """The daemon answered with an error (loading, busy, no common transport, ...)."""
+
+
+class ConfigMismatch(DaemonError):
+    """The daemon holds other weights than the engine expects."""
+
+    def __init__(self, fields: list[str], message: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+@dataclass
+class AttachedWeights:
+    tensors: dict[str, torch.Tensor]
+    preloaded_weights_bytes: int
+    transport: str
+    daemon_pid: int
+    fingerprint: str
+    config: CacheConfig | None
+    socket_path: str | None
+    _memory: ImportedMemory | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Drop this engine's references; memory is released once no tensor uses it."""
+        self.tensors = {}
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
+
+
+def _connect(socket_path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(socket_path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _request(socket_path: str, request, timeout: float, max_frame: int = DEFAULT_MAX_FRAME):
+    with _connect(socket_path, timeout) as sock:
+        send_message(sock, request)
+        body, _ = recv_frame(sock, max_frame, max_fds=0)
+    reply = decode_reply(body)
+    if isinstance(reply, ErrorReply):
+        raise DaemonError(f"daemon at {socket_path}: {reply.error}")
+    return reply
+
+
+def ping(socket_path: str, timeout: float = 5.0) -> int:
+    """The daemon's pid, if it answers."""
+    reply = _request(socket_path, PingRequest(v=1), timeout)
+    if not isinstance(reply, PingReply):
+        raise ProtocolError(f"expected a ping reply, got {type(reply).__name__}")
+    return reply.pid
+
+
+def daemon_status(socket_path: str, timeout: float = 5.0) -> DaemonStatus:
+    reply = _request(socket_path, StatusRequest(v=1), timeout)
+    if not isinstance(reply, StatusReply):
+        raise ProtocolError(f"expected a status reply, got {type(reply).__name__}")
+    return reply.status
+
+
+def attach(
+    socket_path: str,
+    config: CacheConfig | None = None,
+    transports: list[str] | None = None,
+    *,
+    fallback_model_dir: str | os.PathLike[str] | None = None,
+    timeout: float = 30.0,
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> AttachedWeights:
+    """Map the daemon's weights into this process.
+
+    ``config=None`` accepts whatever the daemon holds; engines pass the config
+    they expect and get :class:`ConfigMismatch` (naming the fields) otherwise.
+    ``fallback_model_dir`` allows loading from disk, only when no socket exists.
+    """
+    transports = list(transports or default_client_transports())
+    if fallback_model_dir is not None and not os.path.exists(socket_path):
+        return _load_from_disk(Path(fallback_model_dir), config)
+    with _connect(socket_path, timeout) as sock:
+        send_message(sock, FetchStateRequest(v=1, config=config, transports=transports))
+        body, _ = recv_frame(sock, max_frame, max_fds=0)
+        reply = _checked_reply(decode_reply(body), config, transports, socket_path)
+        backend = get_client_transport_backend(reply.transport_backend)
+        entries = backend.recv_fetch_state_response(sock, reply, max_frame)
+    memory = backend.import_tensors(entries)
+    try:
+        tensors = build_views(memory.buffers, reply.layout)
+    except BaseException:
+        memory.close()
+        raise
+    return AttachedWeights(
+        tensors=tensors,
+        preloaded_weights_bytes=validated_preloaded_bytes(reply.preloaded_weights_bytes),
+        transport=backend.name,
+        daemon_pid=reply.pid,
+        fingerprint=reply.fingerprint,
+        config=reply.config,
+        socket_path=socket_path,
+        _memory=memory,
+    )
+
+
+def _checked_reply(
+    reply: object, config: CacheConfig | None, transports: list[str], socket_path: str
+) -> FetchStateReply:
+    if isinstance(reply, ErrorReply):
+        raise DaemonError(f"daemon at {socket_path}: {reply.error}")
+    if not isinstance(reply, FetchStateReply):
+        raise ProtocolError(f"expected a fetch_state reply, got {type(reply).__name__}")
+    if reply.status == "mismatch":
+        raise ConfigMismatch(
+            reply.mismatched_fields,
+            f"daemon at {socket_path} holds other weights; differing fields: "
+            f"{', '.join(reply.mismatched_fields) or '(unspecified)'}",
+        )
+    if reply.status == "error":
+        raise DaemonError(f"daemon at {socket_path}: {reply.error}")
+    # Validate before mapping anything, so a bad reply costs no mapping.
+    validated_preloaded_bytes(reply.preloaded_weights_bytes)
+    if reply.config is None or reply.layout is None or reply.fingerprint is None:
+        raise ProtocolError("fetch_state reply lacks config, layout or fingerprint")
+    if fingerprint(reply.config) != reply.fingerprint:
+        raise ProtocolError("daemon's fingerprint does not match the config it sent")
+    if config is not None and reply.config != config:
+        raise ProtocolError("daemon answered ok for a config other than the one requested")
+    name = reply.transport_backend or "torch_ipc"
+    if name not in transports:
+        raise ProtocolError(f"daemon chose transport {name!r}, which this client did not offer")
+    try:
+        check_layout(reply.layout)
+    except ValueError as exc:
+        raise ProtocolError(f"bad layout from daemon: {exc}") from None
+    return reply
+
+
+def _load_from_disk(model_dir: Path, config: CacheConfig | None) -> AttachedWeights:
+    """The no-daemon path: a plain safetensors load (costs the engine its own memory)."""
+    from safetensors.torch import load_file
+
+    from weightcache.checkpoint import cache_config, checkpoint_files, read_checkpoint
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        tensors.update(load_file(path))
+    if config is not None and config.dtype is not None:
+        from weightcache.checkpoint import dtype_from_name
+
+        dtype = dtype_from_name(config.dtype)
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    actual = config or cache_config(read_checkpoint(model_dir), torch.device("cpu"))
+    return AttachedWeights(tensors, 0, "disk", 0, fingerprint(actual), actual, None)
+
+
+@contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Build modules with parameters on ``meta`` and buffers real.
+
+    Buffers a module computes in ``__init__`` (BERT's ``position_ids``) are not
+    in checkpoints, so they must stay materialised; parameters come from the
+    daemon via :func:`load_into`.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _check_match(name: str, source: torch.Tensor, target: torch.Tensor) -> None:
+    if source.dtype != target.dtype or source.shape != target.shape:
+        raise ValueError(
+            f"{name}: the daemon holds {source.dtype} {tuple(source.shape)}, "
+            f"the module expects {target.dtype} {tuple(target.shape)}"
+        )
+    if source.numel() > 1 and source.stride() != target.stride():
+        raise ValueError(f"{name}: stride {source.stride()} != expected {target.stride()}")
+
+
+def load_into(
+    module: nn.Module, weights: AttachedWeights | Mapping[str, torch.Tensor]
+) -> list[str]:
+    """Point every parameter and checkpointed buffer of ``module`` at the daemon's tensors.
+
+    No bytes are copied. Tied parameters (one Parameter under several names)
+    stay one Parameter. Raises if any parameter or buffer is left on ``meta``.
+    Returns the daemon tensors the module did not use.
+    """
+    tensors = weights.tensors if isinstance(weights, AttachedWeights) else weights
+    used: set[str] = set()
+    missing: list[str] = []
+    modules = list(module.named_modules(remove_duplicate=False))
+
+    # Group the places a parameter is registered, so tied weights stay tied.
+    places: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+    for prefix, mod in modules:
+        for pname, param in mod._parameters.items():
+            if param is not None:
+                full = f"{prefix}.{pname}" if prefix else pname
+                places.setdefault(id(param), (param, []))[1].append((mod, pname, full))
+    for param, sites in places.values():
+        names = [full for _, _, full in sites if full in tensors]
+        if not names:
+            if param.is_meta:
+                missing.append(sites[0][2])
+            continue
+        source = tensors[names[0]]
+        _check_match(names[0], source, param)
+        replacement = nn.Parameter(source, requires_grad=False)
+        for mod, pname, _ in sites:
+            mod._parameters[pname] = replacement
+        used.update(names)
+
+    for prefix, mod in modules:
+        for bname, buf in mod._buffers.items():
+            full = f"{prefix}.{bname}" if prefix else bname
+            if full in tensors and bname not in mod._non_persistent_buffers_set:
+                if buf is not None:
+                    _check_match(full, tensors[full], buf)
+                mod._buffers[bname] = tensors[full]
+                used.add(full)
+            elif buf is not None and buf.is_meta:
+                missing.append(full)
+    if missing:
+        raise RuntimeError(
+            f"{len(missing)} tensor(s) left on meta, absent from the daemon's weights: "
+            f"{', '.join(missing[:10])}"
+        )
+    return sorted(set(tensors) - used)

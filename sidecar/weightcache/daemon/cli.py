@@ -1,0 +1,160 @@
+"""``weightcache-sidecar``: run the daemon (``serve``) or ask one for its status (``status``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+
+from weightcache.checkpoint import TORCH_DTYPES, dtype_from_name
+from weightcache.daemon.lock import DaemonAlreadyRunning
+from weightcache.daemon.server import PeerPolicy, ServerLimits
+from weightcache.daemon.service import Daemon, DaemonOptions
+from weightcache.devices import resolve_device
+from weightcache.protocol import DEFAULT_MAX_FRAME, ShardSpec, check_socket_path, socket_path
+from weightcache.transport import TRANSPORT_NAMES, default_daemon_transport
+
+
+def _http_address(value: str) -> tuple[str, int] | None:
+    if value == "none":
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or 'none', got {value!r}")
+    return host or "0.0.0.0", int(port)
+
+
+def _cache_name(value: str) -> tuple[str, str]:
+    namespace, sep, name = value.partition(".")
+    if not sep or not namespace or not name:
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE.NAME, got {value!r}")
+    return namespace, name
+
+
+def _non_negative_int(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightcache-sidecar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="load a checkpoint and serve it over a Unix socket")
+    serve.add_argument("--model", required=True, type=Path, help="safetensors checkpoint directory")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
+    serve.add_argument("--gpu-uuid", help="pin to the GPU with this UUID instead of --device")
+    where = serve.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="socket path")
+    where.add_argument("--socket-dir", help="derive <dir>/<namespace>.<name>/gpu-<UUID>.sock")
+    serve.add_argument("--cache", type=_cache_name, help="NAMESPACE.NAME, with --socket-dir")
+    serve.add_argument("--transport", default="auto", choices=("auto", *TRANSPORT_NAMES))
+    serve.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="cast floating-point weights")
+    serve.add_argument("--revision", help="model revision recorded in the CacheConfig")
+    serve.add_argument("--tp-size", type=int, default=1)
+    serve.add_argument("--tp-rank", type=int, default=0)
+    serve.add_argument(
+        "--allow-uid",
+        type=_non_negative_int,
+        action="append",
+        default=[],
+        help="peer uid allowed to connect (repeatable; default: the daemon's own)",
+    )
+    serve.add_argument(
+        "--allow-gid",
+        type=_non_negative_int,
+        action="append",
+        default=[],
+        help="peer gid allowed to connect (repeatable)",
+    )
+    serve.add_argument("--max-connections", type=int, default=64)
+    serve.add_argument(
+        "--timeout", type=_positive_float, default=10.0, help="per-connection timeout in seconds"
+    )
+    serve.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME)
+    serve.add_argument(
+        "--http-address",
+        type=_http_address,
+        default=("127.0.0.1", 8470),
+        help="HOST:PORT for /healthz /readyz /status /metrics, or 'none'",
+    )
+
+    status = sub.add_parser("status", help="print a daemon's status as JSON")
+    status.add_argument("--socket", required=True)
+    return parser
+
+
+def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DaemonOptions:
+    device, gpu = resolve_device(args.device, args.gpu_uuid)
+    if args.socket_dir is not None:
+        if args.cache is None:
+            parser.error("--socket-dir needs --cache NAMESPACE.NAME")
+        path = socket_path(args.socket_dir, *args.cache, None if gpu == "cpu" else gpu)
+    else:
+        path = os.path.abspath(args.socket)
+        check_socket_path(path)
+    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
+        parser.error(
+            f"--tp-rank must be in [0, --tp-size); got rank {args.tp_rank} of {args.tp_size}"
+        )
+    if args.max_connections < 1:
+        parser.error("--max-connections must be at least 1")
+    transport = default_daemon_transport(device) if args.transport == "auto" else args.transport
+    uids = frozenset(args.allow_uid) or frozenset({os.getuid()})
+    return DaemonOptions(
+        model_dir=args.model,
+        device=device,
+        gpu=gpu,
+        socket_path=path,
+        transport=transport,
+        dtype=dtype_from_name(args.dtype) if args.dtype else None,
+        shard=ShardSpec(tp_size=args.tp_size, tp_rank=args.tp_rank),
+        revision=args.revision,
+        policy=PeerPolicy(uids, frozenset(args.allow_gid)),
+        limits=ServerLimits(args.max_frame, args.max_connections, args.timeout),
+        http_address=args.http_address,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "status":
+        from weightcache.client import daemon_status
+
+        try:
+            status = daemon_status(args.socket)
+        except (OSError, RuntimeError) as exc:
+            print(f"weightcache-sidecar: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(msgspec.to_builtins(status), indent=2, sort_keys=True))
+        return 0
+    try:
+        options = _options(args, parser)
+        return Daemon(options).run()
+    except (DaemonAlreadyRunning, ValueError, RuntimeError, OSError) as exc:
+        print(f"weightcache-sidecar: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

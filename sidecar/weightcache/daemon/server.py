@@ -1,0 +1,262 @@
+"""The daemon's Unix socket: accept, check the peer, answer requests.
+
+Each connection gets its own thread, up to ``max_connections``; beyond that a
+client is told the daemon is busy instead of waiting. Any bad frame is
+answered with an error and its connection closed; other clients never notice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from weightcache.protocol import (
+    DEFAULT_MAX_FRAME,
+    ErrorReply,
+    FetchStateReply,
+    FetchStateRequest,
+    PingReply,
+    PingRequest,
+    ProtocolError,
+    Request,
+    StatusReply,
+    StatusRequest,
+    config_differences,
+    decode_request,
+)
+from weightcache.transport import choose_daemon_transport_backend
+from weightcache.wire import PeerClosed, recv_frame, send_message
+
+log = logging.getLogger(__name__)
+
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    """Who may connect: a peer passes if its uid or its gid is listed."""
+
+    uids: frozenset[int]
+    gids: frozenset[int] = frozenset()
+
+    def allows(self, uid: int, gid: int) -> bool:
+        return uid in self.uids or gid in self.gids
+
+
+@dataclass
+class ServerLimits:
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_connections: int = 64
+    # Per-connection: a client idle (or trickling bytes) this long is dropped.
+    timeout_seconds: float = 10.0
+
+
+@dataclass
+class ServerCounters:
+    """What the HTTP status and metrics show; updated under ``lock``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: int = 0
+    served: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        with self.lock:
+            table[key] = table.get(key, 0) + 1
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    pid, uid, gid = _PEERCRED.unpack(
+        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return pid, uid, gid
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory 0750 (tightening it if we own it)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    if os.stat(directory).st_uid == os.getuid():
+        os.chmod(directory, 0o750)
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """Bind ``path`` with mode 0660, replacing a stale socket file."""
+    if os.path.exists(path):
+        # The caller holds the device lock, so nobody else is serving here.
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117)  # created 0660: never briefly world-accessible
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o660)
+    listener.listen(128)
+    return listener
+
+
+class SocketServer:
+    """Serves requests on ``listener`` until :meth:`stop`.
+
+    ``resident`` returns the current ResidentWeights (None while loading) and
+    ``status`` the current DaemonStatus, so the server never caches state that
+    the service may change.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        policy: PeerPolicy,
+        limits: ServerLimits,
+        resident: Callable[[], object | None],
+        status: Callable[[], object],
+    ) -> None:
+        self._listener = listener
+        self._policy = policy
+        self._limits = limits
+        self._resident = resident
+        self._status = status
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._stopping = threading.Event()
+        self._threads: set[threading.Thread] = set()
+        self._threads_lock = threading.Lock()
+        self.counters = ServerCounters()
+
+    def serve_forever(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            self._admit(conn)
+
+    def stop(self, grace_seconds: float = 10.0) -> None:
+        """Stop accepting; let in-flight connections finish for up to ``grace_seconds``."""
+        self._stopping.set()
+        self._listener.close()
+        deadline = time.monotonic() + grace_seconds
+        with self._threads_lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _admit(self, conn: socket.socket) -> None:
+        conn.settimeout(self._limits.timeout_seconds)
+        try:
+            pid, uid, gid = peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        if not self._policy.allows(uid, gid):
+            self.counters.count(self.counters.refused, "peer_credentials")
+            log.warning("refused peer pid=%d uid=%d gid=%d: not in the allowlist", pid, uid, gid)
+            self._reply_and_close(conn, f"peer uid {uid} / gid {gid} is not allowed")
+            return
+        if not self._slots.acquire(blocking=False):
+            self.counters.count(self.counters.refused, "busy")
+            self._reply_and_close(
+                conn, f"busy: {self._limits.max_connections} connections in progress; retry"
+            )
+            return
+        thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
+        with self._threads_lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def _reply_and_close(self, conn: socket.socket, error: str) -> None:
+        try:
+            send_message(conn, ErrorReply(v=1, error=error))
+        except OSError:
+            pass
+        conn.close()
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        with self.counters.lock:
+            self.counters.active += 1
+        try:
+            while not self._stopping.is_set():
+                try:
+                    body, _ = recv_frame(conn, self._limits.max_frame, max_fds=0)
+                    request = decode_request(body)
+                except PeerClosed:
+                    return
+                except ProtocolError as exc:
+                    self.counters.count(self.counters.refused, "bad_frame")
+                    self._reply_and_close(conn, str(exc))
+                    return
+                self._answer(conn, request)
+        except (TimeoutError, OSError) as exc:
+            # A slow, vanished or killed client: drop it, keep serving the rest.
+            log.info("connection dropped: %s", exc)
+        finally:
+            conn.close()
+            with self.counters.lock:
+                self.counters.active -= 1
+            self._slots.release()
+            with self._threads_lock:
+                self._threads.discard(threading.current_thread())
+
+    def _answer(self, conn: socket.socket, request: Request) -> None:
+        if isinstance(request, PingRequest):
+            send_message(conn, PingReply(v=1, pid=os.getpid()))
+            op = "ping"
+        elif isinstance(request, StatusRequest):
+            send_message(conn, StatusReply(v=1, status=self._status()))
+            op = "status"
+        else:
+            op = "fetch_state"
+            self._fetch_state(conn, request)
+        self.counters.count(self.counters.served, op)
+
+    def _fetch_state(self, conn: socket.socket, request: FetchStateRequest) -> None:
+        resident = self._resident()
+        if resident is None:
+            send_message(
+                conn,
+                FetchStateReply(
+                    v=1, status="error", pid=os.getpid(), error="daemon is still loading; retry"
+                ),
+            )
+            return
+        reply, backend = fetch_state_reply(request, resident)
+        if backend is None:
+            send_message(conn, reply)
+        else:
+            backend.send_fetch_state_response(conn, reply, resident.export)
+
+
+def fetch_state_reply(request: FetchStateRequest, resident) -> tuple[FetchStateReply, object]:
+    """The reply to ``request`` and the backend that sends it (None for refusals)."""
+    common = dict(v=1, pid=os.getpid(), config=resident.config, fingerprint=resident.fingerprint)
+    if request.config is not None and request.config != resident.config:
+        fields = config_differences(request.config, resident.config)
+        return FetchStateReply(
+            status="mismatch",
+            mismatched_fields=fields,
+            error=f"config mismatch in: {', '.join(fields)}",
+            **common,
+        ), None
+    try:
+        backend = choose_daemon_transport_backend(resident.memory, request.transports)
+    except RuntimeError as exc:
+        return FetchStateReply(status="error", error=str(exc), **common), None
+    return FetchStateReply(
+        status="ok",
+        transport_backend=backend.name,
+        preloaded_weights_bytes=resident.preloaded_weights_bytes,
+        layout=resident.layout,
+        handles=resident.export.handles,
+        **common,
+    ), backend

@@ -1,0 +1,273 @@
+"""The daemon <-> engine wire contract: frames, message schemas, CacheConfig.
+
+Every frame is a 4-byte big-endian length followed by a MessagePack map. Every
+message carries ``"v": 1``. Decoding is strict: unknown ops, unknown fields,
+wrong types and out-of-range values are rejected by msgspec with a message that
+names the offending field. Nothing a peer sends is ever unpickled.
+
+This module is pure (no sockets); :mod:`weightcache.wire` moves frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+LAYOUT_VERSION = 1
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+FRAME_HEADER = struct.Struct(">I")
+# A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the NUL).
+MAX_SOCKET_PATH_BYTES = 107
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+ShortStr = Annotated[str, msgspec.Meta(max_length=4096)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that violates the wire contract."""
+
+
+# --------------------------------------------------------------------------- CacheConfig
+
+
+class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One checkpoint file: cheap to compute, changes whenever the file's tensors do."""
+
+    name: ShortStr
+    size: NonNegInt
+    header_sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class ModelIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    path: ShortStr
+    revision: ShortStr | None
+    files: Annotated[list[FileIdentity], msgspec.Meta(max_length=100_000)]
+
+
+class ShardSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tp_size: PosInt = 1
+    tp_rank: NonNegInt = 0
+    plan: ShortStr | None = None
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything that decides which bytes an engine gets.
+
+    Two processes agree on the weights iff their configs are equal field by
+    field; the fingerprint is a stable digest of exactly that.
+    """
+
+    model: ModelIdentity
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] | None
+    shard: ShardSpec
+    device_capability: Annotated[str, msgspec.Meta(max_length=32)] | None
+    torch_version: Annotated[str, msgspec.Meta(max_length=64)]
+    layout_version: PosInt = LAYOUT_VERSION
+
+
+def canonical_json(config: CacheConfig) -> bytes:
+    """Sorted-key JSON: the same config always gives the same bytes."""
+    return msgspec.json.encode(msgspec.to_builtins(config), order="sorted")
+
+
+def fingerprint(config: CacheConfig) -> str:
+    return hashlib.sha256(canonical_json(config)).hexdigest()
+
+
+def config_differences(expected: Any, actual: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every field where two configs differ (the whole config, no prefix cut)."""
+    if isinstance(expected, msgspec.Struct):
+        expected = msgspec.to_builtins(expected)
+    if isinstance(actual, msgspec.Struct):
+        actual = msgspec.to_builtins(actual)
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out: list[str] = []
+        for key in sorted(set(expected) | set(actual)):
+            path = f"{prefix}.{key}" if prefix else key
+            out += config_differences(expected.get(key), actual.get(key), path)
+        return out
+    if isinstance(expected, list) and isinstance(actual, list):
+        if len(expected) != len(actual):
+            return [f"{prefix} (length {len(expected)} != {len(actual)})"]
+        out = []
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            out += config_differences(e, a, f"{prefix}[{i}]")
+        return out
+    return [] if expected == actual else [prefix]
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class TensorGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``count`` tensors of one dtype and shape, evenly spaced in one allocation.
+
+    One grouped ``view(count, ...).unbind(0)`` yields them all, so attach cost
+    grows with the number of groups, not tensors.
+    """
+
+    allocation: NonNegInt
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: Annotated[list[NonNegInt], msgspec.Meta(max_length=32)]
+    offset: NonNegInt
+    step: NonNegInt
+    names: Annotated[list[ShortStr], msgspec.Meta(min_length=1)]
+
+
+class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    allocation_sizes: list[NonNegInt]
+    groups: list[TensorGroup]
+    # Tied weights: extra name -> the name whose storage it shares.
+    aliases: dict[ShortStr, ShortStr] = {}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class _Message(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+    v: Literal[1]
+
+
+class PingRequest(_Message, tag="ping"):
+    pass
+
+
+class StatusRequest(_Message, tag="status"):
+    pass
+
+
+class FetchStateRequest(_Message, tag="fetch_state"):
+    # None: accept whatever the daemon holds (tools, demos). Engines pass theirs.
+    config: CacheConfig | None
+    transports: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=16)]
+
+
+Request = PingRequest | StatusRequest | FetchStateRequest
+
+
+# --------------------------------------------------------------------------- replies
+
+
+class DaemonStatus(msgspec.Struct, forbid_unknown_fields=True):
+    state: Literal["loading", "ready", "error"]
+    pid: NonNegInt
+    device: str
+    gpu: str
+    transport_backend: str | None
+    preloaded_weights_bytes: NonNegInt
+    expected_bytes: NonNegInt
+    fingerprint: str | None
+    load_seconds: float | None
+    load_source: Literal["disk", "readopted"] | None
+    readopted: bool
+    socket: str
+    clients_served: NonNegInt
+    error: str | None
+
+
+class PingReply(_Message, tag="ping_reply"):
+    pid: NonNegInt
+
+
+class StatusReply(_Message, tag="status_reply"):
+    status: DaemonStatus
+
+
+class ErrorReply(_Message, tag="error"):
+    error: str
+
+
+class FetchStateReply(_Message, tag="fetch_state_reply"):
+    """``preloaded_weights_bytes`` and ``transport_backend`` are loose on purpose.
+
+    Old daemons omit ``transport_backend`` (meaning ``torch_ipc``) and may omit
+    the byte count (meaning 0); a present byte count of the wrong type is an
+    error the client reports (see :func:`validated_preloaded_bytes`).
+    """
+
+    status: Literal["ok", "mismatch", "error"]
+    pid: NonNegInt = 0
+    config: CacheConfig | None = None
+    fingerprint: str | None = None
+    transport_backend: str | None = None
+    preloaded_weights_bytes: Any = None
+    layout: Layout | None = None
+    # Transport-specific, typed by the backend's own schema.
+    handles: Any = None
+    mismatched_fields: list[str] = []
+    error: str | None = None
+
+
+Reply = PingReply | StatusReply | ErrorReply | FetchStateReply
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(body: bytes) -> Request:
+    """Strictly decode a client request; raise ProtocolError naming what is wrong."""
+    try:
+        return _request_decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"bad request: {exc}") from None
+
+
+def decode_reply(body: bytes) -> Reply:
+    try:
+        return _reply_decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"bad reply from daemon: {exc}") from None
+
+
+def validated_preloaded_bytes(value: Any) -> int:
+    """The engine's rule: a non-bool, non-negative int; a missing field means 0."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RuntimeError(
+            f"daemon sent preloaded_weights_bytes of type {type(value).__name__}; expected int"
+        )
+    if value < 0:
+        raise RuntimeError(f"daemon sent negative preloaded_weights_bytes ({value})")
+    return value
+
+
+def pack_frame_header(length: int, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return FRAME_HEADER.pack(length)
+
+
+def unpack_frame_header(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return length
+
+
+def socket_path(socket_dir: str, namespace: str, name: str, gpu_uuid: str | None) -> str:
+    """``<socketDir>/<namespace>.<name>/gpu-<UUID>.sock`` (``cpu.sock`` for CPU)."""
+    leaf = "cpu.sock" if gpu_uuid is None else f"gpu-{gpu_uuid}.sock"
+    path = f"{socket_dir.rstrip('/')}/{namespace}.{name}/{leaf}"
+    check_socket_path(path)
+    return path
+
+
+def check_socket_path(path: str) -> None:
+    size = len(path.encode())
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(
+            f"socket path is {size} bytes, over the {MAX_SOCKET_PATH_BYTES}-byte limit of "
+            f"a Unix socket address: {path!r} (use a shorter socket dir)"
+        )

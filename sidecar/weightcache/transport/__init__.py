@@ -1,0 +1,90 @@
+"""Transport backends by name, and the negotiation between daemon and engine.
+
+Unknown names raise: a silent fallback would hide a misconfigured engine.
+A reply without ``transport_backend`` comes from an old daemon and means
+``torch_ipc``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from weightcache.transport.base import DaemonMemory, WeightCacheTransportBackend
+
+DEFAULT_TRANSPORT = "torch_ipc"
+
+
+def _memfd() -> WeightCacheTransportBackend:
+    from weightcache.transport.memfd import MemfdBackend
+
+    return MemfdBackend()
+
+
+def _torch_ipc() -> WeightCacheTransportBackend:
+    from weightcache.transport.torch_ipc import TorchIpcBackend
+
+    return TorchIpcBackend()
+
+
+def _vmm_fd() -> WeightCacheTransportBackend:
+    from weightcache.transport.vmm_fd import VmmFdBackend
+
+    return VmmFdBackend()
+
+
+_BACKENDS: dict[str, Callable[[], WeightCacheTransportBackend]] = {
+    "vmm_fd": _vmm_fd,
+    "torch_ipc": _torch_ipc,
+    "memfd": _memfd,
+}
+TRANSPORT_NAMES = tuple(_BACKENDS)
+
+
+def get_client_transport_backend(name: str | None) -> WeightCacheTransportBackend:
+    """The backend a daemon reply names; ``None`` (old daemon) means torch_ipc."""
+    name = DEFAULT_TRANSPORT if name is None else name
+    try:
+        factory = _BACKENDS[name]
+    except KeyError:
+        raise RuntimeError(
+            f"unknown transport backend {name!r}; this client knows {list(TRANSPORT_NAMES)}"
+        ) from None
+    return factory()
+
+
+def get_daemon_transport_backend(name: str) -> WeightCacheTransportBackend:
+    return get_client_transport_backend(name)
+
+
+def choose_daemon_transport_backend(
+    memory: DaemonMemory, client_supported: list[str]
+) -> WeightCacheTransportBackend:
+    """The first transport the client lists that can export the daemon's memory."""
+    for name in client_supported:
+        # Only the daemon's own kind can export its memory; avoid building others.
+        if name == memory.backend_name and name in _BACKENDS:
+            backend = _BACKENDS[name]()
+            if backend.can_export(memory):
+                return backend
+    raise RuntimeError(
+        f"no common transport: the daemon serves {memory.backend_name!r} memory, "
+        f"the client supports {client_supported}"
+    )
+
+
+def default_client_transports() -> list[str]:
+    """What an engine offers, preferred first."""
+    if torch.cuda.is_available():
+        return ["vmm_fd", "torch_ipc"]
+    return ["memfd", "torch_ipc"]
+
+
+def default_daemon_transport(device: torch.device) -> str:
+    """``auto``: vmm_fd where the GPU supports VMM with POSIX fds, else torch_ipc; memfd on CPU."""
+    if device.type == "cpu":
+        return "memfd"
+    from weightcache.transport.vmm_fd import vmm_fd_supported
+
+    return "vmm_fd" if vmm_fd_supported(device) else "torch_ipc"

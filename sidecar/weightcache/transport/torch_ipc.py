@@ -1,0 +1,123 @@
+"""``torch_ipc``: PyTorch's own sharing of allocator memory.
+
+On CUDA this is legacy CUDA IPC (``cudaIpcGetMemHandle``): the engine must
+share the daemon's PID namespace (hostPID across pods), the mapping is
+read-write, and the memory dies with the daemon, so engines treat daemon
+death as fail-stop. On the CPU it is PyTorch's shared-memory fd. The handle
+fields are sent as plain MessagePack values; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import torch
+
+from weightcache.protocol import ProtocolError
+from weightcache.transport.base import (
+    AllocationEntry,
+    DaemonMemory,
+    Export,
+    WeightCacheTransportBackend,
+)
+
+Bytes = Annotated[bytes, msgspec.Meta(max_length=4096)]
+
+
+class CudaIpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The fields of ``UntypedStorage._share_cuda_()``, in its order."""
+
+    device: int
+    handle: Bytes
+    size: int
+    offset: int
+    ref_counter_handle: Bytes
+    ref_counter_offset: int
+    event_handle: Bytes | None
+    event_sync_required: bool
+
+
+_handles_decoder = msgspec.msgpack.Decoder(list[CudaIpcHandle | None])
+
+
+class TorchAllocatorMemory(DaemonMemory):
+    backend_name = "torch_ipc"
+
+    def __init__(self, sizes: list[int], device: torch.device) -> None:
+        super().__init__(sizes, device)
+        self._reserved_before = self._reserved()
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        if device.type == "cpu":
+            for b in self.buffers:
+                b.share_memory_()
+        self._measured: int | None = None
+
+    def _reserved(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
+    def finish_load(self) -> None:
+        if self.device.type == "cuda":
+            self._measured = max(0, self._reserved() - self._reserved_before)
+
+    @property
+    def preloaded_weights_bytes(self) -> int:
+        # CUDA: what the daemon's allocator actually reserved for the weights.
+        return self._measured if self._measured is not None else sum(self.sizes)
+
+    def close(self) -> None:
+        self.buffers = []
+
+
+class TorchIpcBackend(WeightCacheTransportBackend):
+    name = "torch_ipc"
+
+    def allocate(self, sizes: list[int], device: torch.device) -> DaemonMemory:
+        return TorchAllocatorMemory(sizes, device)
+
+    def prepare_export(self, memory: DaemonMemory) -> Export:
+        assert isinstance(memory, TorchAllocatorMemory)
+        if memory.device.type == "cuda":
+            handles = [self._cuda_handle(b) for b in memory.buffers]
+            return Export(handles=msgspec.to_builtins(handles), fds=[])
+        fds = [b.untyped_storage()._share_fd_cpu_()[0] for b in memory.buffers]
+        return Export(handles=[None] * len(fds), fds=fds)
+
+    @staticmethod
+    def _cuda_handle(buffer: torch.Tensor) -> CudaIpcHandle:
+        fields = buffer.untyped_storage()._share_cuda_()
+        return CudaIpcHandle(*fields)
+
+    def fds_expected(self, handles: list[object]) -> bool:
+        # CPU shared memory travels as fds; CUDA IPC handles are plain bytes.
+        return all(h is None for h in handles)
+
+    def decode_handles(self, handles: object, count: int) -> list[object]:
+        try:
+            decoded = _handles_decoder.decode(msgspec.msgpack.encode(handles))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ProtocolError(f"bad torch_ipc handles from daemon: {exc}") from None
+        if len(decoded) != count:
+            raise ProtocolError(f"torch_ipc: {len(decoded)} handles for {count} allocations")
+        return decoded
+
+    def import_tensor(self, entry: AllocationEntry) -> torch.Tensor:
+        handle = entry.handle
+        if isinstance(handle, CudaIpcHandle):
+            storage = torch.UntypedStorage._new_shared_cuda(*msgspec.structs.astuple(handle))
+        else:
+            if entry.fd is None:
+                raise ProtocolError(
+                    f"torch_ipc: allocation {entry.index} has neither handle nor fd"
+                )
+            storage = torch.UntypedStorage._new_shared_fd_cpu(entry.fd, entry.size)
+        if storage.nbytes() != entry.size:
+            raise RuntimeError(
+                f"allocation {entry.index}: shared storage has {storage.nbytes()} bytes, "
+                f"layout says {entry.size}"
+            )
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -1,0 +1,115 @@
+"""Moving protocol frames (and their file descriptors) over a Unix stream socket.
+
+File descriptors travel as SCM_RIGHTS on the frame's first bytes. Every fd a
+receive call gets is either returned to the caller or closed before raising,
+so a bad peer can never make us leak descriptors.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+
+import msgspec
+
+from weightcache.protocol import (
+    DEFAULT_MAX_FRAME,
+    FRAME_HEADER,
+    ProtocolError,
+    encode,
+    pack_frame_header,
+    unpack_frame_header,
+)
+
+# The kernel refuses more than SCM_MAX_FD (253) descriptors in one message.
+MAX_FDS_PER_MESSAGE = 253
+
+
+class PeerClosed(EOFError):
+    """The peer closed the connection cleanly between frames."""
+
+
+def send_message(
+    sock: socket.socket,
+    message: msgspec.Struct,
+    fds: list[int] | tuple[int, ...] = (),
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> None:
+    body = encode(message)
+    send_frame(sock, body, fds, max_frame)
+
+
+def send_frame(
+    sock: socket.socket,
+    body: bytes,
+    fds: list[int] | tuple[int, ...] = (),
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> None:
+    if len(fds) > MAX_FDS_PER_MESSAGE:
+        raise ProtocolError(f"{len(fds)} fds in one frame; the limit is {MAX_FDS_PER_MESSAGE}")
+    data = memoryview(pack_frame_header(len(body), max_frame) + body)
+    if fds:
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        sent = sock.sendmsg([data], ancillary)
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]], into: list[int]) -> None:
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % array.array("i").itemsize
+            into.extend(array.array("i", data[:usable]))
+
+
+def recv_frame(
+    sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, max_fds: int = 0
+) -> tuple[bytes, list[int]]:
+    """Read one frame; return its body and the fds that came with it.
+
+    Raises PeerClosed on a clean close before a frame starts, ProtocolError on a
+    truncated or oversized frame, on fds when none are expected, and on fds cut
+    short by the kernel (MSG_CTRUNC). Received fds are closed on every error.
+    """
+    fds: list[int] = []
+    try:
+        header = bytearray()
+        # Room for one more fd than allowed, so a peer sending too many is detected.
+        control_size = socket.CMSG_SPACE((max_fds + 1) * array.array("i").itemsize)
+        while len(header) < FRAME_HEADER.size:
+            chunk, ancdata, flags, _ = sock.recvmsg(FRAME_HEADER.size - len(header), control_size)
+            _fds_from_ancillary(ancdata, fds)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError("file descriptors were truncated in transit (MSG_CTRUNC)")
+            if not chunk:
+                if header:
+                    raise ProtocolError(f"truncated frame header ({len(header)} of 4 bytes)")
+                raise PeerClosed("peer closed the connection")
+            header += chunk
+        if len(fds) > max_fds:
+            raise ProtocolError(
+                f"peer sent {len(fds)} file descriptors; expected at most {max_fds}"
+            )
+        length = unpack_frame_header(bytes(header), max_frame)
+        body = bytearray(length)
+        view = memoryview(body)
+        got = 0
+        while got < length:
+            n = sock.recv_into(view[got:], length - got)
+            if n == 0:
+                raise ProtocolError(f"truncated frame body ({got} of {length} bytes)")
+            got += n
+        return bytes(body), fds
+    except BaseException:
+        close_fds(fds)
+        raise
