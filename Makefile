@@ -1,0 +1,37 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Each sets up
+# what it needs (venv, packages, the local control plane) and is idempotent.
+PYTHON_SYSTEM ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install only when the package's declared dependencies change.
+VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+
+.PHONY: venv demo test lint test-unit test-gpu clean
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON_SYSTEM) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[operator,kubernetes,test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: venv
+	$(PY) examples/demo.py
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -rs tests
+
+test-unit: venv
+	$(PY) -m pytest -rs tests/unit
+
+# On a CUDA machine (see tests/gpu/README.md).
+test-gpu: venv
+	WEIGHTCACHE_RESULTS_DIR=benchmarks/results $(PY) -m pytest -rs -s tests/gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
