@@ -1,0 +1,120 @@
+"""The rollout gate: are a cache's weights verified resident on a node?
+
+`evaluate_node` judges one node from its daemon pods and their reports;
+`gate_condition` turns the verdicts of every cache selecting an engine pod into
+the pod's `weightcache.dev/weights-resident` condition. Both are pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .report import Report, ReportError, parse_report
+from .spec import WeightCacheSpec
+from .views import Condition, DaemonPodView
+
+WEIGHTS_RESIDENT = "WeightsResident"
+NO_DAEMON_ON_NODE = "NoDaemonOnNode"
+DAEMON_NOT_READY = "DaemonNotReady"
+REPORT_MALFORMED = "ReportMalformed"
+FINGERPRINT_MISMATCH = "FingerprintMismatch"
+BYTES_BELOW_EXPECTED = "BytesBelowExpected"
+POD_NOT_SCHEDULED = "PodNotScheduled"
+NO_WEIGHTCACHE = "NoWeightCache"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+    message: str
+    pod: str | None = None
+    report: Report | None = None
+
+
+def expected_bytes(spec: WeightCacheSpec, reported: int) -> int:
+    """A pinned `spec.engine.expectedBytes` wins over what the daemon read from the headers."""
+    pinned = spec.engine.expected_bytes
+    return reported if pinned is None else pinned
+
+
+def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> Verdict:
+    """Verdict for one daemon pod; the checks run in the order a reader would debug them."""
+
+    def fail(reason: str, message: str, report: Report | None = None) -> Verdict:
+        return Verdict(False, reason, f"daemon pod {pod.name}: {message}", pod.name, report)
+
+    if pod.terminating:
+        return fail(DAEMON_NOT_READY, "terminating")
+    if pod.report is None:
+        return fail(DAEMON_NOT_READY, "no report yet")
+    try:
+        report = parse_report(pod.report)
+    except ReportError as exc:
+        return fail(REPORT_MALFORMED, str(exc))
+    if report.spec_hash != spec_hash:
+        return fail(
+            FINGERPRINT_MISMATCH,
+            f"holds weights for spec {report.spec_hash[:12] or '<none>'}, "
+            f"the WeightCache wants {spec_hash[:12]}",
+            report,
+        )
+    if len(report.gpus) < spec.slots:
+        return fail(
+            DAEMON_NOT_READY, f"{len(report.gpus)} of {spec.slots} GPUs reported", report
+        )
+    for gpu, entry in sorted(report.gpus.items()):
+        if entry.state != "Ready":
+            detail = f": {entry.message}" if entry.message else ""
+            return fail(DAEMON_NOT_READY, f"{gpu} is {entry.state}{detail}", report)
+    tolerance = spec.engine.byte_tolerance
+    for gpu, entry in sorted(report.gpus.items()):
+        want = expected_bytes(spec, entry.expected_bytes)
+        if entry.preloaded_weights_bytes < want * (1 - tolerance):
+            return fail(
+                BYTES_BELOW_EXPECTED,
+                f"{gpu} holds {entry.preloaded_weights_bytes} bytes, expected {want} "
+                f"(tolerance {tolerance:g})",
+                report,
+            )
+    if pod.phase != "Running" or not pod.ready:
+        return fail(DAEMON_NOT_READY, f"pod is not Ready (phase {pod.phase})", report)
+    total = sum(e.preloaded_weights_bytes for e in report.gpus.values())
+    transports = ",".join(sorted({e.transport for e in report.gpus.values()}))
+    return Verdict(
+        True, WEIGHTS_RESIDENT,
+        f"daemon pod {pod.name}: {len(report.gpus)} GPU(s) hold {total} bytes via {transports}",
+        pod.name, report,
+    )
+
+
+def evaluate_node(
+    spec: WeightCacheSpec, spec_hash: str, pods: Iterable[DaemonPodView]
+) -> Verdict:
+    """Verdict for a node from all of the cache's daemon pods on it.
+
+    During a DaemonSet rollout a node briefly has an old and a new pod; either
+    one holding the right weights is enough. Otherwise the pod that should win
+    (current template, alive, newest) explains why the node is not ready.
+    """
+    ordered = sorted(pods, key=lambda p: (p.created, p.name), reverse=True)
+    ordered.sort(key=lambda p: (p.terminating, p.spec_hash != spec_hash))
+    if not ordered:
+        return Verdict(False, NO_DAEMON_ON_NODE, "no daemon pod of this cache on the node")
+    verdicts = [evaluate_pod(spec, spec_hash, p) for p in ordered]
+    return next((v for v in verdicts if v.ok), verdicts[0])
+
+
+def gate_condition(node: str | None, verdicts: Mapping[str, Verdict]) -> Condition:
+    """The engine pod's gate from the verdicts of every cache that selects it, by cache name."""
+    if not verdicts:
+        return Condition("False", NO_WEIGHTCACHE, "no WeightCache in the namespace selects it")
+    if node is None:
+        return Condition("False", POD_NOT_SCHEDULED, "the pod has no node yet")
+    for cache, verdict in sorted(verdicts.items()):
+        if not verdict.ok:
+            message = f"WeightCache {cache} on {node}: {verdict.message}"
+            return Condition("False", verdict.reason, message)
+    detail = "; ".join(f"WeightCache {c}: {v.message}" for c, v in sorted(verdicts.items()))
+    return Condition("True", WEIGHTS_RESIDENT, f"on {node}: {detail}")

@@ -1,0 +1,308 @@
+"""Render the daemon DaemonSet for a WeightCache (pure: spec in, manifest out)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+from .spec import WeightCacheSpec
+
+# Short on purpose: the daemon binds <root>/<ns>.<name>/gpu-<uuid>.sock inside
+# the container and a Unix socket path must fit in 107 bytes.
+CONTAINER_SOCKET_ROOT = "/run/wc"
+CONTAINER_MODEL_DIR = "/weightcache/model"
+MAX_SOCKET_PATH_BYTES = 107
+# "gpu-" + "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" + ".sock"
+LONGEST_SOCKET_NAME = len("gpu-GPU-00000000-0000-0000-0000-000000000000.sock")
+CLAIM_NAME = "gpus"
+
+
+class RenderError(ValueError):
+    """The spec cannot be turned into a DaemonSet; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+
+
+def selector_labels(cache_name: str) -> dict[str, str]:
+    """Labels that select a cache's daemon pods; fixed for the DaemonSet's life."""
+    return {
+        names.CACHE_LABEL: cache_name,
+        names.COMPONENT_LABEL: names.DAEMON_COMPONENT,
+        names.MANAGED_BY_LABEL: names.MANAGER,
+    }
+
+
+def render_hash(manifest: dict[str, Any]) -> str:
+    """Digest of what the operator would apply, bookkeeping annotations excluded."""
+    body = json.loads(json.dumps(manifest))
+    annotations = body["metadata"].get("annotations", {})
+    annotations.pop(names.RENDER_HASH_ANNOTATION, None)
+    annotations.pop(names.GENERATION_ANNOTATION, None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def render_daemonset(
+    cache: CacheRef, spec: WeightCacheSpec, spec_hash: str, default_image: str | None
+) -> dict[str, Any]:
+    image = spec.sidecar.image or default_image
+    if not image:
+        raise RenderError(
+            "spec.sidecar.image is unset and the operator has no default sidecar image "
+            "(WEIGHTCACHE_SIDECAR_IMAGE)"
+        )
+    cache_dir = f"{cache.namespace}.{cache.name}"
+    socket_path = f"{CONTAINER_SOCKET_ROOT}/{cache_dir}/" + "x" * LONGEST_SOCKET_NAME
+    if len(socket_path.encode()) > MAX_SOCKET_PATH_BYTES:
+        budget = MAX_SOCKET_PATH_BYTES - (len(socket_path) - len(cache_dir)) - 1
+        raise RenderError(
+            f"the daemon's socket path would be {len(socket_path.encode())} bytes, over the "
+            f"{MAX_SOCKET_PATH_BYTES}-byte Unix socket limit: namespace and name together "
+            f"must be at most {budget} characters"
+        )
+
+    labels = {
+        **selector_labels(cache.name),
+        "app.kubernetes.io/name": "weightcache-daemon",
+        "app.kubernetes.io/instance": cache.name,
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": spec.sidecar.service_account_name,
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": spec.sidecar.run_as_user,
+            "runAsGroup": spec.sidecar.run_as_group,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": [_socket_dir_init(spec, image, cache_dir)],
+        "containers": [
+            _daemon_container(spec, image, spec_hash, cache, slot) for slot in range(spec.slots)
+        ],
+        "volumes": _volumes(spec, cache_dir),
+    }
+    # CUDA IPC handles only open in the exporting process's PID and IPC
+    # namespaces; the fd-based transports need neither.
+    if spec.transport == "torch_ipc":
+        pod_spec["hostPID"] = True
+        pod_spec["hostIPC"] = True
+    if spec.placement.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
+    if spec.placement.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.placement.tolerations]
+    if spec.placement.affinity:
+        pod_spec["affinity"] = dict(spec.placement.affinity)
+    if spec.placement.priority_class_name:
+        pod_spec["priorityClassName"] = spec.placement.priority_class_name
+    if spec.device == "cuda" and spec.gpu_access.mode == "dra":
+        claim = {"name": CLAIM_NAME}
+        if spec.gpu_access.claim_name:
+            claim["resourceClaimName"] = spec.gpu_access.claim_name
+        else:
+            claim["resourceClaimTemplateName"] = spec.gpu_access.claim_template_name
+        pod_spec["resourceClaims"] = [claim]
+
+    manifest: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            "name": names.daemonset_name(cache.name),
+            "namespace": cache.namespace,
+            "labels": labels,
+            "annotations": {names.GENERATION_ANNOTATION: str(cache.generation)},
+            "ownerReferences": [
+                {
+                    "apiVersion": names.API_VERSION,
+                    "kind": names.KIND,
+                    "name": cache.name,
+                    "uid": cache.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "selector": {"matchLabels": selector_labels(cache.name)},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "revisionHistoryLimit": 5,
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {names.SPEC_HASH_ANNOTATION: spec_hash},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION] = render_hash(manifest)
+    return manifest
+
+
+def _hardened() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[str, Any]:
+    # kubelet creates a missing hostPath directory as root 0755; hand it to the
+    # daemon's user (0750) so the daemon itself can run without any privilege.
+    mount = f"{CONTAINER_SOCKET_ROOT}/{cache_dir}"
+    return {
+        "name": "socket-dir",
+        "image": image,
+        **({"imagePullPolicy": spec.sidecar.image_pull_policy}
+           if spec.sidecar.image_pull_policy else {}),
+        "command": [
+            "python3", "-c",
+            "import os, sys; d = sys.argv[1]; os.chmod(d, 0o750); "
+            "os.chown(d, int(sys.argv[2]), int(sys.argv[3]))",
+            mount, str(spec.sidecar.run_as_user), str(spec.sidecar.run_as_group),
+        ],
+        "securityContext": {
+            **_hardened(),
+            "runAsNonRoot": False,
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
+                      "limits": {"cpu": "100m", "memory": "64Mi"}},
+        "volumeMounts": [{"name": "sockets", "mountPath": mount}],
+    }
+
+
+def _daemon_container(
+    spec: WeightCacheSpec, image: str, spec_hash: str, cache: CacheRef, slot: int
+) -> dict[str, Any]:
+    cpu = spec.device == "cpu"
+    port = spec.sidecar.http_port + slot
+    if cpu:
+        device = "cpu"
+    elif spec.gpu_access.mode == "device-plugin":
+        # Each container is allocated its own GPU, visible to it as device 0.
+        device = "cuda:0"
+    else:
+        device = f"cuda:{slot}"
+    args = [
+        "serve",
+        "--model", CONTAINER_MODEL_DIR,
+        "--device", device,
+        "--socket-dir", CONTAINER_SOCKET_ROOT,
+        "--cache", f"{cache.namespace}.{cache.name}",
+        "--transport", spec.transport,
+        "--http-port", str(port),
+    ]
+    if spec.model.dtype != "auto":
+        args += ["--dtype", spec.model.dtype]
+    if not cpu:
+        args += ["--tp-size", str(spec.gpus.tp_size), "--tp-rank", str(slot % spec.gpus.tp_size)]
+
+    env: list[dict[str, Any]] = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("NODE_NAME", "spec.nodeName"),
+        {"name": names.SPEC_HASH_ENV, "value": spec_hash},
+        # torch and friends write caches under $HOME; the root fs is read-only.
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if not cpu:
+        env.append({"name": "CUDA_DEVICE_ORDER", "value": "PCI_BUS_ID"})
+        if spec.gpu_access.mode == "visible-devices":
+            env += [
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"},
+            ]
+
+    resources: dict[str, Any] = {}
+    if spec.sidecar.requests:
+        resources["requests"] = dict(spec.sidecar.requests)
+    if spec.sidecar.limits:
+        resources["limits"] = dict(spec.sidecar.limits)
+    if not cpu and spec.gpu_access.mode == "device-plugin":
+        resources.setdefault("requests", {})[spec.gpu_access.resource_name] = "1"
+        resources.setdefault("limits", {})[spec.gpu_access.resource_name] = "1"
+    if not cpu and spec.gpu_access.mode == "dra":
+        resources["claims"] = [{"name": CLAIM_NAME}]
+
+    port_name = "http" if cpu else f"http-{slot}"
+    container: dict[str, Any] = {
+        "name": "daemon" if cpu else f"daemon-{slot}",
+        "image": image,
+        "command": ["weightcache-sidecar"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": port},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "securityContext": _hardened(),
+        "volumeMounts": [
+            _model_mount(spec),
+            {"name": "sockets", "mountPath": _socket_mount(cache)},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    if spec.sidecar.image_pull_policy:
+        container["imagePullPolicy"] = spec.sidecar.image_pull_policy
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _socket_mount(cache: CacheRef) -> str:
+    return f"{CONTAINER_SOCKET_ROOT}/{cache.namespace}.{cache.name}"
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _model_mount(spec: WeightCacheSpec) -> dict[str, Any]:
+    mount: dict[str, Any] = {"name": "model", "mountPath": CONTAINER_MODEL_DIR, "readOnly": True}
+    if spec.model.pvc is not None and spec.model.pvc.sub_path:
+        mount["subPath"] = spec.model.pvc.sub_path
+    return mount
+
+
+def _volumes(spec: WeightCacheSpec, cache_dir: str) -> list[dict[str, Any]]:
+    if spec.model.pvc is not None:
+        model = {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": spec.model.pvc.claim_name, "readOnly": True},
+        }
+    else:
+        model = {"name": "model", "hostPath": {"path": spec.model.path, "type": "Directory"}}
+    return [
+        model,
+        {
+            "name": "sockets",
+            "hostPath": {
+                "path": f"{spec.socket_dir.rstrip('/')}/{cache_dir}",
+                "type": "DirectoryOrCreate",
+            },
+        },
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+    ]

@@ -1,0 +1,168 @@
+"""Small immutable snapshots of the objects the operator watches.
+
+The kopf indices hold these instead of whole bodies: they keep memory flat in
+large clusters and give the pure decision modules plain typed input.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+
+
+@dataclass(frozen=True)
+class Condition:
+    status: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CacheView:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]
+    status: Mapping[str, Any]
+    deleting: bool
+
+
+@dataclass(frozen=True)
+class DaemonPodView:
+    namespace: str
+    name: str
+    cache: str
+    node: str | None
+    phase: str
+    ready: bool
+    terminating: bool
+    report: str | None
+    spec_hash: str | None
+    created: str
+
+
+@dataclass(frozen=True)
+class EnginePodView:
+    namespace: str
+    name: str
+    uid: str
+    labels: Mapping[str, str]
+    node: str | None
+    gate: Condition | None
+    terminating: bool
+
+
+@dataclass(frozen=True)
+class DaemonSetView:
+    namespace: str
+    cache: str
+    desired: int
+    updated: int
+    generation: int
+    observed_generation: int
+    applied_generation: int | None
+    render_hash: str | None
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    ready_caches: frozenset[str]
+
+
+def _meta(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    return body.get("metadata") or {}
+
+
+def _conditions(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list((body.get("status") or {}).get("conditions") or [])
+
+
+def cache_view(body: Mapping[str, Any]) -> CacheView:
+    meta = _meta(body)
+    return CacheView(
+        namespace=meta.get("namespace", ""),
+        name=meta["name"],
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation") or 0),
+        spec=copy.deepcopy(dict(body.get("spec") or {})),
+        status=copy.deepcopy(dict(body.get("status") or {})),
+        deleting=meta.get("deletionTimestamp") is not None,
+    )
+
+
+def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
+    meta = _meta(body)
+    status = body.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in _conditions(body))
+    return DaemonPodView(
+        namespace=meta.get("namespace", ""),
+        name=meta["name"],
+        cache=(meta.get("labels") or {}).get(names.CACHE_LABEL, ""),
+        node=(body.get("spec") or {}).get("nodeName"),
+        phase=status.get("phase") or "Pending",
+        ready=ready,
+        terminating=meta.get("deletionTimestamp") is not None,
+        report=annotations.get(names.REPORT_ANNOTATION),
+        spec_hash=annotations.get(names.SPEC_HASH_ANNOTATION),
+        created=str(meta.get("creationTimestamp") or ""),
+    )
+
+
+def has_gate(body: Mapping[str, Any]) -> bool:
+    gates = (body.get("spec") or {}).get("readinessGates") or []
+    return any(g.get("conditionType") == names.GATE_CONDITION for g in gates)
+
+
+def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
+    meta = _meta(body)
+    gate = None
+    for cond in _conditions(body):
+        if cond.get("type") == names.GATE_CONDITION:
+            gate = Condition(
+                str(cond.get("status", "")), str(cond.get("reason") or ""),
+                str(cond.get("message") or ""),
+            )
+    return EnginePodView(
+        namespace=meta.get("namespace", ""),
+        name=meta["name"],
+        uid=meta.get("uid", ""),
+        labels=dict(meta.get("labels") or {}),
+        node=(body.get("spec") or {}).get("nodeName"),
+        gate=gate,
+        terminating=meta.get("deletionTimestamp") is not None,
+    )
+
+
+def daemonset_view(body: Mapping[str, Any]) -> DaemonSetView:
+    meta = _meta(body)
+    status = body.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    applied = annotations.get(names.GENERATION_ANNOTATION)
+    return DaemonSetView(
+        namespace=meta.get("namespace", ""),
+        cache=(meta.get("labels") or {}).get(names.CACHE_LABEL, ""),
+        desired=int(status.get("desiredNumberScheduled") or 0),
+        updated=int(status.get("updatedNumberScheduled") or 0),
+        generation=int(meta.get("generation") or 0),
+        observed_generation=int(status.get("observedGeneration") or 0),
+        applied_generation=int(applied) if applied and applied.isdigit() else None,
+        render_hash=annotations.get(names.RENDER_HASH_ANNOTATION),
+    )
+
+
+def node_view(body: Mapping[str, Any]) -> NodeView:
+    meta = _meta(body)
+    labels = meta.get("labels") or {}
+    ready = frozenset(
+        key[len(names.NODE_LABEL_PREFIX):]
+        for key, value in labels.items()
+        if key.startswith(names.NODE_LABEL_PREFIX) and value == names.NODE_LABEL_READY
+    )
+    return NodeView(name=meta["name"], ready_caches=ready)
