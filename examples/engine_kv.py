@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 import weightcache.client
 from weightcache.kv import (
     KVBaseline,
@@ -75,16 +76,20 @@ def main(argv: list[str] | None = None) -> None:
         # 4. Size the pool exactly as the engine always did, from that baseline.
         post_load_free = free_bytes(device)
         budget = kv_budget_bytes(post_load_free, pre_load_free, args.mem_fraction_static)
-        print(json.dumps({
-            "rank": dist.get_rank() if dist.is_initialized() else 0,
-            "transport": target.transport,
-            "daemon_pid": target.daemon_pid,
-            "fingerprint": target.fingerprint,
-            "baseline": repr(baseline),
-            "post_load_free": post_load_free,
-            "kv_budget_bytes": budget,
-            "kv_tokens": kv_tokens(budget, args.bytes_per_token, args.page_size),
-        }))
+        print(
+            json.dumps(
+                {
+                    "rank": dist.get_rank() if dist.is_initialized() else 0,
+                    "transport": target.transport,
+                    "daemon_pid": target.daemon_pid,
+                    "fingerprint": target.fingerprint,
+                    "baseline": repr(baseline),
+                    "post_load_free": post_load_free,
+                    "kv_budget_bytes": budget,
+                    "kv_tokens": kv_tokens(budget, args.bytes_per_token, args.page_size),
+                }
+            )
+        )
     finally:
         for runner in runners:
             runner.close()

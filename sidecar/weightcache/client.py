@@ -11,8 +11,10 @@ back (see :mod:`weightcache.kv`).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +44,11 @@ from weightcache.transport import default_client_transports, get_client_transpor
 from weightcache.transport.base import ImportedMemory
 from weightcache.wire import recv_frame, send_message
 
+log = logging.getLogger(__name__)
+
+# Exit code of a torch_ipc engine whose daemon died (EX_TEMPFAIL: restart me).
+DAEMON_DIED_EXIT_CODE = 75
+
 
 class DaemonError(RuntimeError):
     """The daemon answered with an error (loading, busy, no common transport, ...)."""
@@ -65,13 +72,64 @@ class AttachedWeights:
     config: CacheConfig | None
     socket_path: str | None
     _memory: ImportedMemory | None = field(default=None, repr=False)
+    _watchdog: DaemonWatchdog | None = field(default=None, repr=False)
+
+    def daemon_alive(self, timeout: float = 2.0) -> bool:
+        """Whether the daemon that served these weights still answers (same pid)."""
+        if self.socket_path is None:
+            return False
+        try:
+            return ping(self.socket_path, timeout) == self.daemon_pid
+        except (OSError, RuntimeError):
+            return False
+
+    @property
+    def degraded(self) -> bool:
+        """vmm_fd/memfd engines keep serving after their daemon dies; this says so."""
+        return not self.daemon_alive()
 
     def close(self) -> None:
         """Drop this engine's references; memory is released once no tensor uses it."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         self.tensors = {}
         if self._memory is not None:
             self._memory.close()
             self._memory = None
+
+
+def fail_stop(attached: AttachedWeights) -> None:
+    """torch_ipc on CUDA: the memory died with the daemon, so the engine must not go on."""
+    log.critical(
+        "weightcache daemon pid %d at %s is gone; torch_ipc weights are no longer valid; "
+        "exiting with code %d so the engine restarts",
+        attached.daemon_pid,
+        attached.socket_path,
+        DAEMON_DIED_EXIT_CODE,
+    )
+    os._exit(DAEMON_DIED_EXIT_CODE)
+
+
+class DaemonWatchdog:
+    """Polls the daemon; calls ``on_death(attached)`` once when it stops answering."""
+
+    def __init__(self, attached: AttachedWeights, interval: float, on_death) -> None:
+        self._attached = attached
+        self._interval = interval
+        self._on_death = on_death
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="weightcache-watchdog")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            if not self._attached.daemon_alive():
+                self._on_death(self._attached)
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def _connect(socket_path: str, timeout: float) -> socket.socket:
@@ -116,6 +174,10 @@ def attach(
     transports: list[str] | None = None,
     *,
     fallback_model_dir: str | os.PathLike[str] | None = None,
+    read_write: bool = False,
+    watchdog: bool | None = None,
+    on_daemon_death=fail_stop,
+    watchdog_interval: float = 1.0,
     timeout: float = 30.0,
     max_frame: int = DEFAULT_MAX_FRAME,
 ) -> AttachedWeights:
@@ -124,6 +186,10 @@ def attach(
     ``config=None`` accepts whatever the daemon holds; engines pass the config
     they expect and get :class:`ConfigMismatch` (naming the fields) otherwise.
     ``fallback_model_dir`` allows loading from disk, only when no socket exists.
+    ``read_write`` maps vmm_fd memory writable (default read-only).
+    ``watchdog`` (default: on for torch_ipc on CUDA, whose memory dies with the
+    daemon) polls the daemon and calls ``on_daemon_death`` (default: exit the
+    process with DAEMON_DIED_EXIT_CODE) when it is gone.
     """
     transports = list(transports or default_client_transports())
     if fallback_model_dir is not None and not os.path.exists(socket_path):
@@ -132,7 +198,7 @@ def attach(
         send_message(sock, FetchStateRequest(v=1, config=config, transports=transports))
         body, _ = recv_frame(sock, max_frame, max_fds=0)
         reply = _checked_reply(decode_reply(body), config, transports, socket_path)
-        backend = get_client_transport_backend(reply.transport_backend)
+        backend = get_client_transport_backend(reply.transport_backend, read_write=read_write)
         entries = backend.recv_fetch_state_response(sock, reply, max_frame)
     memory = backend.import_tensors(entries)
     try:
@@ -140,7 +206,7 @@ def attach(
     except BaseException:
         memory.close()
         raise
-    return AttachedWeights(
+    attached = AttachedWeights(
         tensors=tensors,
         preloaded_weights_bytes=validated_preloaded_bytes(reply.preloaded_weights_bytes),
         transport=backend.name,
@@ -150,6 +216,10 @@ def attach(
         socket_path=socket_path,
         _memory=memory,
     )
+    on_cuda = any(b.device.type == "cuda" for b in memory.buffers)
+    if watchdog if watchdog is not None else (backend.name == "torch_ipc" and on_cuda):
+        attached._watchdog = DaemonWatchdog(attached, watchdog_interval, on_daemon_death)
+    return attached
 
 
 def _checked_reply(

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from weightcache.kv import (
     KVBaseline,
     cuda_free_bytes,
@@ -80,7 +81,9 @@ def _driver_version(index: int) -> str:
     if smi:
         done = subprocess.run(
             [smi, "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(index)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if done.returncode == 0 and done.stdout.strip():
             return done.stdout.strip()
@@ -126,7 +129,9 @@ def test_corrected_engine_fits_its_headroom_and_matches_a_cold_start() -> None:
 
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(device.index), str(W)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         preloaded = _ask(holder, None)["preloaded_weights_bytes"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from weightcache.kv import (
     KVBaseline,
     headroom_bytes,

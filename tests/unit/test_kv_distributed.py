@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from weightcache.kv import KVBaseline, kv_budget_bytes, min_across_ranks, total_preloaded_bytes
 
 GiB = 1 << 30

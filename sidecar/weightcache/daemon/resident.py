@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,8 @@ def load_from_disk(
     layout = plan_layout(specs, backend.allocation_alignment(device))
     memory = backend.allocate(layout.allocation_sizes, device)
     try:
-        load_into_buffers(checkpoint, layout, memory.buffers, dtype)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            load_into_buffers(checkpoint, layout, memory.buffers, dtype)
         memory.finish_load()
         export = backend.prepare_export(memory)
     except BaseException:

@@ -16,25 +16,28 @@ from weightcache.transport.base import DaemonMemory, WeightCacheTransportBackend
 DEFAULT_TRANSPORT = "torch_ipc"
 
 
-def _memfd() -> WeightCacheTransportBackend:
+def _memfd(read_write: bool) -> WeightCacheTransportBackend:
     from weightcache.transport.memfd import MemfdBackend
 
+    if read_write:
+        raise RuntimeError("memfd mappings are sealed and always read-only")
     return MemfdBackend()
 
 
-def _torch_ipc() -> WeightCacheTransportBackend:
+def _torch_ipc(read_write: bool) -> WeightCacheTransportBackend:
     from weightcache.transport.torch_ipc import TorchIpcBackend
 
+    # CUDA IPC and PyTorch's shared memory are always mapped read-write.
     return TorchIpcBackend()
 
 
-def _vmm_fd() -> WeightCacheTransportBackend:
+def _vmm_fd(read_write: bool) -> WeightCacheTransportBackend:
     from weightcache.transport.vmm_fd import VmmFdBackend
 
-    return VmmFdBackend()
+    return VmmFdBackend(writable=read_write)
 
 
-_BACKENDS: dict[str, Callable[[], WeightCacheTransportBackend]] = {
+_BACKENDS: dict[str, Callable[[bool], WeightCacheTransportBackend]] = {
     "vmm_fd": _vmm_fd,
     "torch_ipc": _torch_ipc,
     "memfd": _memfd,
@@ -42,8 +45,13 @@ _BACKENDS: dict[str, Callable[[], WeightCacheTransportBackend]] = {
 TRANSPORT_NAMES = tuple(_BACKENDS)
 
 
-def get_client_transport_backend(name: str | None) -> WeightCacheTransportBackend:
-    """The backend a daemon reply names; ``None`` (old daemon) means torch_ipc."""
+def get_client_transport_backend(
+    name: str | None, *, read_write: bool = False
+) -> WeightCacheTransportBackend:
+    """The backend a daemon reply names; ``None`` (old daemon) means torch_ipc.
+
+    ``read_write`` asks for writable mappings where the transport can choose.
+    """
     name = DEFAULT_TRANSPORT if name is None else name
     try:
         factory = _BACKENDS[name]
@@ -51,7 +59,7 @@ def get_client_transport_backend(name: str | None) -> WeightCacheTransportBacken
         raise RuntimeError(
             f"unknown transport backend {name!r}; this client knows {list(TRANSPORT_NAMES)}"
         ) from None
-    return factory()
+    return factory(read_write)
 
 
 def get_daemon_transport_backend(name: str) -> WeightCacheTransportBackend:
@@ -65,7 +73,7 @@ def choose_daemon_transport_backend(
     for name in client_supported:
         # Only the daemon's own kind can export its memory; avoid building others.
         if name == memory.backend_name and name in _BACKENDS:
-            backend = _BACKENDS[name]()
+            backend = _BACKENDS[name](False)
             if backend.can_export(memory):
                 return backend
     raise RuntimeError(
