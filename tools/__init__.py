@@ -1,0 +1,1 @@
+"""Developer tooling for weightcache (not shipped in the distribution)."""

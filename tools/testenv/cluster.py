@@ -1,0 +1,429 @@
+"""Start, use and stop one local control plane: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler and kwok with fake GPU nodes.
+
+Everything listens on loopback ports chosen free at start; every process sits
+in one process group owned by the Cluster (see procs.py), so stop() — or the
+owner's death — leaves nothing running and nothing listening.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tools.testenv import kubeconfig, nodes, pki
+from tools.testenv.apiclient import ApiClient, ApiError
+from tools.testenv.procs import ProcessGroup, free_ports, port_is_listening
+
+SERVICE_CIDR = "10.96.0.0/16"
+# The first address of SERVICE_CIDR: the `kubernetes` Service's ClusterIP.
+SERVICE_IP = "10.96.0.1"
+# Fake pod and node addresses kwok hands out; no traffic ever goes to them.
+POD_CIDR = "10.244.0.1/16"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+STAGES_FILE = Path(__file__).resolve().parent / "kwok" / "stages.yaml"
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+
+    @classmethod
+    def pick(cls) -> Ports:
+        return cls(*free_ports(5))
+
+
+def etcd_args(data_dir: Path, ports: Ports) -> list[str]:
+    client = f"http://127.0.0.1:{ports.etcd_client}"
+    peer = f"http://127.0.0.1:{ports.etcd_peer}"
+    return [
+        "--name=testenv",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=testenv={peer}",
+        # Throwaway data: fsync only slows tests on a shared disk.
+        "--unsafe-no-fsync",
+        "--log-level=warn",
+    ]
+
+
+def apiserver_args(certs: pki.Pki, ports: Ports, cert_dir: Path) -> list[str]:
+    return [
+        f"--etcd-servers=http://127.0.0.1:{ports.etcd_client}",
+        "--bind-address=127.0.0.1",
+        "--advertise-address=127.0.0.1",
+        f"--secure-port={ports.apiserver}",
+        f"--cert-dir={cert_dir}",
+        f"--tls-cert-file={certs.apiserver.cert}",
+        f"--tls-private-key-file={certs.apiserver.key}",
+        f"--client-ca-file={certs.ca.cert}",
+        "--authorization-mode=RBAC",
+        "--enable-admission-plugins=NodeRestriction",
+        f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+        f"--service-account-key-file={certs.service_account_pub}",
+        f"--service-account-signing-key-file={certs.service_account_key}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--allow-privileged=true",
+        "--profiling=false",
+    ]
+
+
+def controller_manager_args(
+    certs: pki.Pki, ports: Ports, config: Path, cert_dir: Path
+) -> list[str]:
+    return [
+        f"--kubeconfig={config}",
+        f"--authentication-kubeconfig={config}",
+        f"--authorization-kubeconfig={config}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={ports.controller_manager}",
+        f"--cert-dir={cert_dir}",
+        "--leader-elect=false",
+        # Each controller acts as its own ServiceAccount, as in kubeadm clusters.
+        "--use-service-account-credentials=true",
+        f"--service-account-private-key-file={certs.service_account_key}",
+        f"--root-ca-file={certs.ca.cert}",
+        f"--cluster-signing-cert-file={certs.ca.cert}",
+        f"--cluster-signing-key-file={certs.ca.key}",
+        "--controllers=*",
+        "--profiling=false",
+    ]
+
+
+def scheduler_args(ports: Ports, config: Path, cert_dir: Path) -> list[str]:
+    return [
+        f"--kubeconfig={config}",
+        f"--authentication-kubeconfig={config}",
+        f"--authorization-kubeconfig={config}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={ports.scheduler}",
+        f"--cert-dir={cert_dir}",
+        "--leader-elect=false",
+        "--profiling=false",
+    ]
+
+
+def kwok_args(config: Path) -> list[str]:
+    return [
+        f"--kubeconfig={config}",
+        f"--config={STAGES_FILE}",
+        "--manage-all-nodes=false",
+        "--manage-nodes-with-annotation-selector="
+        f"{nodes.KWOK_NODE_ANNOTATION}={nodes.KWOK_NODE_ANNOTATION_VALUE}",
+        f"--cidr={POD_CIDR}",
+        "--node-lease-duration-seconds=40",
+    ]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What a client needs to reach the cluster; also the `up` state file's content."""
+
+    run_dir: str
+    server: str
+    kubeconfig: str
+    ca: str
+    bin_dir: str
+    node_names: list[str]
+    pgid: int
+    ports: dict[str, int]
+
+
+class Cluster:
+    """One control plane. Use as a context manager, or start()/stop()."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        binaries: Mapping[str, Path],
+        node_count: int = 2,
+        gpus_per_node: int = 8,
+        gpu_product: str = nodes.DEFAULT_GPU_PRODUCT,
+    ) -> None:
+        self.run_dir = run_dir
+        self.binaries = dict(binaries)
+        self.node_names = nodes.node_names(node_count)
+        self.gpus_per_node = gpus_per_node
+        self.gpu_product = gpu_product
+        self.group = ProcessGroup()
+        self.ports: Ports | None = None
+        self.certs: pki.Pki | None = None
+        self.kubeconfig = run_dir / "admin.kubeconfig"
+        self._api: ApiClient | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def server(self) -> str:
+        if self.ports is None:
+            raise RuntimeError("cluster not started")
+        return f"https://127.0.0.1:{self.ports.apiserver}"
+
+    @property
+    def ca(self) -> Path:
+        if self.certs is None:
+            raise RuntimeError("cluster not started")
+        return self.certs.ca.cert
+
+    @property
+    def api(self) -> ApiClient:
+        if self._api is None:
+            raise RuntimeError("cluster not started")
+        return self._api
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 180.0) -> None:
+        atexit.register(self.stop)
+        try:
+            self._start(time.monotonic() + timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, deadline: float) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        self.ports = ports = Ports.pick()
+        self.certs = certs = pki.generate(self.run_dir / "pki", SERVICE_IP)
+        ca_pem = certs.ca.cert.read_bytes()
+
+        def config_for(name: str, pair: pki.KeyPair) -> Path:
+            user = kubeconfig.client_cert_user(pair.cert, pair.key)
+            return kubeconfig.write(
+                self.run_dir / f"{name}.kubeconfig", kubeconfig.render(self.server, ca_pem, user)
+            )
+
+        config_for("admin", certs.admin)
+        kcm_config = config_for("controller-manager", certs.controller_manager)
+        scheduler_config = config_for("scheduler", certs.scheduler)
+        self._api = ApiClient(self.server, certs.ca.cert, certs.admin.cert, certs.admin.key)
+
+        self._spawn("etcd", etcd_args(self.run_dir / "etcd", ports))
+        self._wait(
+            "etcd healthy",
+            deadline,
+            lambda: _http_json(f"http://127.0.0.1:{ports.etcd_client}/health")["health"] == "true",
+        )
+
+        self._spawn("kube-apiserver", apiserver_args(certs, ports, self.run_dir / "apiserver"))
+        self._wait("kube-apiserver ready", deadline, lambda: self.api.get("/readyz") == "ok")
+
+        self._spawn(
+            "kube-controller-manager",
+            controller_manager_args(certs, ports, kcm_config, self.run_dir / "controller-manager"),
+        )
+        self._spawn(
+            "kube-scheduler", scheduler_args(ports, scheduler_config, self.run_dir / "scheduler")
+        )
+        self._spawn("kwok", kwok_args(self.kubeconfig))
+        for node in self.node_names:
+            self.api.post(
+                "/api/v1/nodes", nodes.gpu_node(node, self.gpus_per_node, self.gpu_product)
+            )
+
+        self._wait(
+            "kube-controller-manager healthy", deadline, lambda: _healthz(ports.controller_manager)
+        )
+        self._wait("kube-scheduler healthy", deadline, lambda: _healthz(ports.scheduler))
+        for node in self.node_names:
+            self._wait(
+                f"node {node} Ready (kwok)",
+                deadline,
+                lambda n=node: _node_ready(self.api.get(f"/api/v1/nodes/{n}")),
+            )
+        # Pods in a namespace are admitted only once its `default` ServiceAccount exists.
+        self._wait(
+            "ServiceAccount default/default (controller-manager)",
+            deadline,
+            lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
+        )
+
+    def stop(self) -> None:
+        """Idempotent: kill the whole group, then confirm no component port still listens."""
+        if self.group.pgid is None:
+            return
+        self.group.stop()
+        if self.ports is not None:
+            listening = [p for p in asdict(self.ports).values() if port_is_listening(p)]
+            if listening:
+                raise RuntimeError(f"testenv: ports {listening} still listening after stop")
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        binary = self.binaries[name]
+        self.group.spawn(name, [str(binary), *args], self.run_dir / "logs" / f"{name}.log")
+
+    def _wait(self, what: str, deadline: float, check: Callable[[], Any]) -> None:
+        last_error: object = None
+        while time.monotonic() < deadline:
+            for name, proc in self.group.procs.items():
+                if proc.poll() is not None:
+                    raise StartupError(
+                        f"testenv: {name} exited with {proc.returncode} while waiting for {what}\n"
+                        + self.log_tail(name)
+                    )
+            try:
+                if check():
+                    return
+            except (OSError, ApiError, KeyError, ValueError) as e:
+                last_error = e
+            time.sleep(0.2)
+        raise StartupError(f"testenv: timed out waiting for {what} (last error: {last_error})")
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.run_dir / "logs" / f"{name}.log"
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return f"--- last {lines} lines of {path} ---\n" + "\n".join(text[-lines:])
+
+    # -- using the cluster ---------------------------------------------------
+
+    def endpoint(self) -> Endpoint:
+        assert self.ports is not None and self.group.pgid is not None
+        return Endpoint(
+            run_dir=str(self.run_dir),
+            server=self.server,
+            kubeconfig=str(self.kubeconfig),
+            ca=str(self.ca),
+            bin_dir=str(self.binaries["kubectl"].parent),
+            node_names=self.node_names,
+            pgid=self.group.pgid,
+            ports=asdict(self.ports),
+        )
+
+    def env(self) -> dict[str, str]:
+        """Environment for a child process (kubectl, helm, the operator) to use this cluster."""
+        path = os.pathsep.join([str(self.binaries["kubectl"].parent), os.environ.get("PATH", "")])
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path}
+
+    def mint_token(
+        self,
+        namespace: str,
+        service_account: str,
+        expiration_seconds: int = 3600,
+        audiences: list[str] | None = None,
+    ) -> str:
+        """A bound token for the ServiceAccount from the TokenRequest API (the SA must exist)."""
+        spec: dict[str, Any] = {"expirationSeconds": expiration_seconds}
+        if audiences:
+            spec["audiences"] = audiences
+        review = self.api.post(
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+        )
+        return review["status"]["token"]
+
+    def service_account_kubeconfig(
+        self, namespace: str, service_account: str, path: Path | None = None
+    ) -> Path:
+        """Write a kubeconfig that authenticates as system:serviceaccount:<namespace>:<name>."""
+        token = self.mint_token(namespace, service_account)
+        path = path or self.run_dir / f"sa-{namespace}-{service_account}.kubeconfig"
+        config = kubeconfig.render(self.server, self.ca.read_bytes(), kubeconfig.token_user(token))
+        return kubeconfig.write(path, config)
+
+    def kubectl(
+        self,
+        *args: str,
+        kubeconfig_path: Path | None = None,
+        input: str | None = None,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        return self._run("kubectl", args, kubeconfig_path, input, check)
+
+    def helm(
+        self, *args: str, kubeconfig_path: Path | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return self._run("helm", args, kubeconfig_path, None, check)
+
+    def _run(
+        self,
+        tool: str,
+        args: tuple[str, ...],
+        kubeconfig_path: Path | None,
+        input: str | None,
+        check: bool,
+    ) -> subprocess.CompletedProcess[str]:
+        config = kubeconfig_path or self.kubeconfig
+        result = subprocess.run(
+            [str(self.binaries[tool]), f"--kubeconfig={config}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise subprocess.CalledProcessError(
+                result.returncode, result.args, result.stdout, result.stderr
+            )
+        return result
+
+
+def _http_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return json.loads(resp.read())
+
+
+# The controller-manager and scheduler serve /healthz with a self-signed
+# certificate they make themselves; the check is liveness on loopback only.
+_UNVERIFIED = ssl._create_unverified_context()
+
+
+def _healthz(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{port}/healthz", context=_UNVERIFIED, timeout=2
+        ) as r:
+            return r.read() == b"ok"
+    except urllib.error.HTTPError:
+        return False
+
+
+def _node_ready(node: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in node.get("status", {}).get("conditions", [])
+    )
+
+
+def interrupt_on_termination() -> None:
+    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so `finally`/fixture teardown runs."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, handler)
+
+
+def load_state(path: Path) -> Endpoint:
+    return Endpoint(**json.loads(path.read_text()))

@@ -1,0 +1,150 @@
+"""Child processes that cannot outlive their owner.
+
+All components join one process group, so a single killpg reaches every one
+of them, and each gets PR_SET_PDEATHSIG so that even a SIGKILLed owner (no
+atexit, no signal handler) takes them down with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago (held open together so none repeats)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def port_is_listening(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+class ProcessGroup:
+    """Spawns processes into one fresh process group and tears that group down."""
+
+    def __init__(self) -> None:
+        self.pgid: int | None = None
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._owner_pid = os.getpid()
+
+    def spawn(
+        self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        pgid = self.pgid or 0
+        owner = self._owner_pid
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def in_child() -> None:
+            os.setpgid(0, pgid)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            # The owner may have died between fork and prctl; then nobody would signal us.
+            if os.getppid() != owner:
+                os._exit(1)
+
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=in_child,
+                env=env,
+                close_fds=True,
+            )
+        if self.pgid is None:
+            self.pgid = proc.pid
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM each process, last spawned first, giving each up to `grace` seconds;
+        then SIGKILL the group for anything left, grandchildren included.
+
+        Reverse order lets clients go before the servers they hold watches on:
+        an apiserver or etcd still serving clients drains for many seconds.
+        """
+        if self.pgid is None:
+            return
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+        _signal_group(self.pgid, signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+        self.pgid = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stat_fields(stat_path: Path) -> list[str]:
+    """Fields after "pid (comm) " of a /proc stat file: state, ppid, pgrp, ...
+    (comm itself may contain spaces and parentheses)."""
+    stat = stat_path.read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Processes of the group that still run any thread.
+
+    A killed multi-threaded (Go) process shows its main thread as a zombie while
+    other threads still exit and still hold its sockets; a true zombie holds
+    nothing and may wait long for a reaper once its owner is gone.
+    """
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int(_stat_fields(entry / "stat")[2]) != pgid:
+                continue
+            states = [_stat_fields(task / "stat")[0] for task in (entry / "task").iterdir()]
+        except (OSError, ValueError):
+            continue
+        if any(state not in ("Z", "X") for state in states):
+            members.append(int(entry.name))
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def kill_group(pgid: int, grace: float = 10.0) -> None:
+    """Stop a group this process did not spawn (e.g. one left by `up`), SIGKILL after grace."""
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
