@@ -1,0 +1,214 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from weightcache_operator import names
+from weightcache_operator.render import (
+    CONTAINER_SOCKET_ROOT,
+    LONGEST_SOCKET_NAME,
+    MAX_SOCKET_PATH_BYTES,
+    CacheRef,
+    RenderError,
+    render_daemonset,
+    render_hash,
+)
+from weightcache_operator.spec import parse_spec, spec_hash
+
+REF = CacheRef(namespace="team", name="minilm", uid="uid-1", generation=3)
+CPU = {"model": {"path": "/models/minilm"}, "device": "cpu", "transport": "memfd",
+       "sidecar": {"image": "sidecar:1"}}
+GPU = {"model": {"path": "/models/llama"}, "gpus": {"perNode": 8, "tpSize": 4},
+       "transport": "vmm_fd", "sidecar": {"image": "sidecar:1"}}
+
+
+def render(raw: dict, ref: CacheRef = REF, default_image: str | None = None) -> dict[str, Any]:
+    spec = parse_spec(raw)
+    return render_daemonset(ref, spec, spec_hash(spec), default_image)
+
+
+def pod(ds: dict[str, Any]) -> dict[str, Any]:
+    return ds["spec"]["template"]["spec"]
+
+
+def env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def arg(container: dict[str, Any], flag: str) -> str | None:
+    args = container["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_cpu_daemonset_shape() -> None:
+    spec = parse_spec(CPU)
+    ds = render(CPU)
+    assert ds["kind"] == "DaemonSet"
+    assert ds["metadata"]["name"] == "weightcache-minilm"
+    assert ds["metadata"]["namespace"] == "team"
+    (owner,) = ds["metadata"]["ownerReferences"]
+    assert owner == {"apiVersion": "weightcache.dev/v1alpha1", "kind": "WeightCache",
+                     "name": "minilm", "uid": "uid-1", "controller": True,
+                     "blockOwnerDeletion": True}
+    selector = ds["spec"]["selector"]["matchLabels"]
+    template_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= template_labels.items()
+    assert selector[names.CACHE_LABEL] == "minilm"
+
+    (container,) = pod(ds)["containers"]
+    assert container["name"] == "daemon"
+    assert container["command"] == ["weightcache-sidecar"]
+    assert container["args"][0] == "serve"
+    assert arg(container, "--device") == "cpu"
+    assert arg(container, "--transport") == "memfd"
+    assert arg(container, "--cache") == "team.minilm"
+    assert arg(container, "--socket-dir") == CONTAINER_SOCKET_ROOT
+    assert arg(container, "--http-port") == "8470"
+    assert arg(container, "--tp-size") is None
+    assert arg(container, "--dtype") is None
+    variables = env(container)
+    assert variables["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert variables["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert variables[names.SPEC_HASH_ENV] == spec_hash(spec)
+    assert "NVIDIA_VISIBLE_DEVICES" not in variables
+    assert ds["spec"]["template"]["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION] == (
+        spec_hash(spec)
+    )
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8470}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8470}
+
+
+def test_volumes_mount_socket_dir_per_cache_and_model_read_only() -> None:
+    ds = render({**CPU, "socketDir": "/var/run/wc/"})
+    volumes = {v["name"]: v for v in pod(ds)["volumes"]}
+    assert volumes["sockets"]["hostPath"] == {"path": "/var/run/wc/team.minilm",
+                                              "type": "DirectoryOrCreate"}
+    assert volumes["model"]["hostPath"] == {"path": "/models/minilm", "type": "Directory"}
+    (container,) = pod(ds)["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model"]["readOnly"] is True
+    assert mounts["sockets"]["mountPath"] == f"{CONTAINER_SOCKET_ROOT}/team.minilm"
+    assert "tmp" in mounts  # the root filesystem is read-only
+
+
+def test_pvc_model_source() -> None:
+    ds = render({**CPU, "model": {"pvc": {"claimName": "store", "subPath": "minilm/v2"}}})
+    volumes = {v["name"]: v for v in pod(ds)["volumes"]}
+    assert volumes["model"] == {"name": "model", "persistentVolumeClaim": {
+        "claimName": "store", "readOnly": True}}
+    mounts = {m["name"]: m for m in pod(ds)["containers"][0]["volumeMounts"]}
+    assert mounts["model"]["subPath"] == "minilm/v2"
+
+
+def test_hardened_pod() -> None:
+    for raw in (CPU, GPU):
+        spec = pod(render(raw))
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 65532
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert "hostPID" not in spec and "hostIPC" not in spec and "hostNetwork" not in spec
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["privileged"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert "runAsUser" not in sc  # inherits the non-root pod user
+
+
+def test_socket_dir_init_only_chowns() -> None:
+    (init,) = pod(render(CPU))["initContainers"]
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert init["command"][-3:] == [f"{CONTAINER_SOCKET_ROOT}/team.minilm", "65532", "65532"]
+
+
+def test_one_container_per_gpu_with_tp_ranks_and_ports() -> None:
+    containers = pod(render(GPU))["containers"]
+    assert [c["name"] for c in containers] == [f"daemon-{i}" for i in range(8)]
+    assert [arg(c, "--device") for c in containers] == [f"cuda:{i}" for i in range(8)]
+    assert [arg(c, "--tp-rank") for c in containers] == ["0", "1", "2", "3"] * 2
+    assert {arg(c, "--tp-size") for c in containers} == {"4"}
+    ports = [c["ports"][0]["containerPort"] for c in containers]
+    assert ports == list(range(8470, 8478))
+    assert [c["readinessProbe"]["httpGet"]["port"] for c in containers] == ports
+    for c in containers:
+        assert env(c)["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert env(c)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {})
+
+
+def test_device_plugin_requests_one_gpu_per_container() -> None:
+    raw = {**GPU, "gpuAccess": {"mode": "device-plugin", "resourceName": "nvidia.com/gpu.shared"},
+           "sidecar": {"image": "s:1", "resources": {"limits": {"memory": "8Gi"}}}}
+    for c in pod(render(raw))["containers"]:
+        assert arg(c, "--device") == "cuda:0"
+        assert c["resources"]["limits"] == {"memory": "8Gi", "nvidia.com/gpu.shared": "1"}
+        assert c["resources"]["requests"] == {"nvidia.com/gpu.shared": "1"}
+        assert "NVIDIA_VISIBLE_DEVICES" not in env(c)
+
+
+@pytest.mark.parametrize(("claim", "field"), [
+    ({"resourceClaimTemplateName": "gpus-template"}, "resourceClaimTemplateName"),
+    ({"resourceClaimName": "node-gpus"}, "resourceClaimName"),
+])
+def test_dra_claim(claim: dict, field: str) -> None:
+    spec = pod(render({**GPU, "gpuAccess": {"mode": "dra", "claim": claim}}))
+    assert spec["resourceClaims"] == [{"name": "gpus", field: next(iter(claim.values()))}]
+    for c in spec["containers"]:
+        assert c["resources"]["claims"] == [{"name": "gpus"}]
+
+
+def test_torch_ipc_needs_host_pid_and_ipc() -> None:
+    spec = pod(render({**GPU, "transport": "torch_ipc"}))
+    assert spec["hostPID"] is True and spec["hostIPC"] is True
+
+
+def test_dtype_and_placement_pass_through() -> None:
+    raw = {**GPU, "model": {"path": "/m", "dtype": "bfloat16"}, "placement": {
+        "nodeSelector": {"pool": "h200"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        "affinity": {"nodeAffinity": {"x": 1}},
+        "priorityClassName": "system-node-critical",
+    }}
+    spec = pod(render(raw))
+    assert {arg(c, "--dtype") for c in spec["containers"]} == {"bfloat16"}
+    assert spec["nodeSelector"] == {"pool": "h200"}
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert spec["affinity"] == {"nodeAffinity": {"x": 1}}
+    assert spec["priorityClassName"] == "system-node-critical"
+
+
+def test_default_image_and_missing_image() -> None:
+    raw = {k: v for k, v in CPU.items() if k != "sidecar"}
+    assert pod(render(raw, default_image="op-default:7"))["containers"][0]["image"] == (
+        "op-default:7"
+    )
+    assert pod(render(CPU, default_image="op-default:7"))["containers"][0]["image"] == "sidecar:1"
+    with pytest.raises(RenderError, match="spec.sidecar.image"):
+        render(raw)
+
+
+def test_socket_path_limit() -> None:
+    budget = MAX_SOCKET_PATH_BYTES - len(f"{CONTAINER_SOCKET_ROOT}/./") - LONGEST_SOCKET_NAME
+    fits = CacheRef("n" * 20, "c" * (budget - 20), "u", 1)
+    render(GPU, ref=fits)
+    too_long = CacheRef("n" * 20, "c" * (budget - 19), "u", 1)
+    with pytest.raises(RenderError, match="107-byte") as err:
+        render(GPU, ref=too_long)
+    assert f"at most {budget} characters" in str(err.value)
+
+
+def test_render_hash_tracks_content_not_bookkeeping() -> None:
+    ds = render(CPU)
+    stamped = ds["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION]
+    assert stamped == render_hash(ds)
+    later = render(CPU, ref=CacheRef("team", "minilm", "uid-1", generation=4))
+    assert later["metadata"]["annotations"][names.GENERATION_ANNOTATION] == "4"
+    assert later["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION] == stamped
+    changed = render({**CPU, "sidecar": {"image": "sidecar:2"}})
+    assert changed["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION] != stamped
+    assert render(CPU) == ds
