@@ -96,6 +96,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{index}: not a valid safetensors index (weight_map must map names to file names)"
+            )
         names = sorted(set(weight_map.values()))
         for name in names:
             if "/" in name or name.startswith("."):
@@ -138,11 +144,20 @@ def read_file_header(path: Path) -> CheckpointFile:
     return CheckpointFile(path, size, digest, tuple(tensors))
 
 
+def _ints(value: object) -> tuple[int, ...]:
+    """A JSON list of integers; int() would also take "12" (as [1, 2]), 2.5 or true."""
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError(f"expected a list of integers, got {value!r}")
+    return tuple(value)
+
+
 def _tensor_record(path: Path, name: str, info: object, data_start: int, size: int) -> TensorRecord:
     try:
         dtype = SAFETENSORS_DTYPES[info["dtype"]]  # type: ignore[index]
-        shape = tuple(int(d) for d in info["shape"])  # type: ignore[index]
-        begin, end = (int(x) for x in info["data_offsets"])  # type: ignore[index]
+        shape = _ints(info["shape"])  # type: ignore[index]
+        begin, end = _ints(info["data_offsets"])  # type: ignore[index]
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
     nbytes = math.prod(shape) * dtype.itemsize
