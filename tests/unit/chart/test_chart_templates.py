@@ -1,0 +1,116 @@
+"""What the templates render: a hardened operator pod, images, policies, the test hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.unit.chart.chartkit import VALUE_SETS, Renderer, files, one, values_id
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def operator_pod(docs: list[dict]) -> dict:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=values_id)
+def test_operator_pod_is_hardened(render: Renderer, values: Path | None) -> None:
+    docs = render(*files(values))
+    pod = operator_pod(docs)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not pod.get("hostPID") and not pod.get("hostIPC") and not pod.get("hostNetwork")
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"--liveness=http://0.0.0.0:{ports['health']}/healthz" in container["args"]
+    assert f"--metrics-port={ports['metrics']}" in container["args"]
+    # Only the operator pod carries the operator's token; its ServiceAccount opts out.
+    assert pod["automountServiceAccountToken"] is True
+    assert one(docs, "ServiceAccount", "-weightcache-operator")[
+        "automountServiceAccountToken"] is False
+    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_images_default_to_app_version_and_a_digest_pins_them(render: Renderer) -> None:
+    pod = operator_pod(render())
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["image"] == "ghcr.io/weightcache/operator:0.1.0"
+    assert env["WEIGHTCACHE_SIDECAR_IMAGE"] == "ghcr.io/weightcache/sidecar:0.1.0"
+
+    pod = operator_pod(render(set_values=[
+        f"image.digest={DIGEST}", "image.tag=1.2.3", f"sidecarImage.digest={DIGEST}",
+        "sidecarImage.repository=reg.example.com/wc/sidecar",
+    ]))
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["image"] == f"ghcr.io/weightcache/operator:1.2.3@{DIGEST}"
+    assert env["WEIGHTCACHE_SIDECAR_IMAGE"] == f"reg.example.com/wc/sidecar:0.1.0@{DIGEST}"
+
+
+def test_metrics_service_selects_the_operator_pod(render: Renderer) -> None:
+    docs = render()
+    service = one(docs, "Service", "-metrics")
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"metrics", "health"}
+
+
+def test_report_guard_matches_exactly_the_daemon_accounts(render: Renderer) -> None:
+    docs = render(set_values=["daemon.namespaces={team-a,team-b}"])
+    policy = one(docs, "ValidatingAdmissionPolicy", "-daemon-report-guard")
+    (condition,) = policy["spec"]["matchConditions"]
+    assert condition["expression"] == (
+        "request.userInfo.username in ['system:serviceaccount:team-a:weightcache-daemon', "
+        "'system:serviceaccount:team-b:weightcache-daemon']"
+    )
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "-daemon-report-guard")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"],
+                               "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+
+
+def test_report_guard_can_be_turned_off(render: Renderer) -> None:
+    docs = render(set_values=["daemon.reportGuard.enabled=false"])
+    assert not [d for d in docs if d["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def test_cache_policy_renders_only_what_restricts(render: Renderer) -> None:
+    assert not [d for d in render() if "cache-policy" in d["metadata"]["name"]]
+    docs = render(set_values=["cachePolicy.allowedTransports={auto,vmm_fd,memfd}"])
+    policy = one(docs, "ValidatingAdmissionPolicy", "-cache-policy")
+    (rule,) = policy["spec"]["validations"]
+    assert "object.spec.transport in ['auto','vmm_fd','memfd']" in rule["expression"]
+    docs = render(set_values=["cachePolicy.allowedSidecarImagePrefixes={reg.example.com/wc/}"])
+    (rule,) = one(docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"]
+    assert "['reg.example.com/wc/'].exists(p, object.spec.sidecar.image.startsWith(p))" in (
+        rule["expression"])
+    docs = render(set_values=["cachePolicy.enabled=false",
+                              "cachePolicy.allowedTransports={vmm_fd}"])
+    assert not [d for d in docs if "cache-policy" in d["metadata"]["name"]]
+
+
+def test_helm_test_pod_checks_the_operator_endpoints(render: Renderer) -> None:
+    docs = render()
+    pod = one(docs, "Pod", "-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    service = one(docs, "Service", "-metrics")["metadata"]["name"]
+    assert container["command"][-2:] == [
+        f"http://{service}.wc-system.svc:8081/healthz",
+        f"http://{service}.wc-system.svc:8080/metrics",
+    ]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert not [d for d in render(set_values=["tests.enabled=false"]) if d["kind"] == "Pod"]
