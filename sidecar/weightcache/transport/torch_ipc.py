@@ -9,6 +9,7 @@ fields are sent as plain MessagePack values; nothing is pickled.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import msgspec
@@ -113,6 +114,13 @@ class TorchIpcBackend(WeightCacheTransportBackend):
             if entry.fd is None:
                 raise ProtocolError(
                     f"torch_ipc: allocation {entry.index} has neither handle nor fd"
+                )
+            # torch maps whatever size it is told; past the file's end reads would SIGBUS.
+            actual = os.fstat(entry.fd).st_size
+            if actual != entry.size:
+                raise RuntimeError(
+                    f"allocation {entry.index}: shared memory file holds {actual} bytes, "
+                    f"layout says {entry.size}"
                 )
             storage = torch.UntypedStorage._new_shared_fd_cpu(entry.fd, entry.size)
         if storage.nbytes() != entry.size:
