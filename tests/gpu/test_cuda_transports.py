@@ -5,12 +5,15 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,15 +145,17 @@ def test_preloaded_bytes_match_the_drivers_view(transport, llama_dir, daemon_fac
 def test_auto_transport_prefers_vmm_fd_and_pins_by_uuid(llama_dir, tmp_path):
     from tests.gpu.conftest import DaemonProcess
 
+    # pytest's tmp paths are too long for a socket address with a GPU UUID in it.
+    run_dir = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
     uuid = gpu_uuid(0)
     log = tmp_path / "auto.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(llama_dir),
-         "--socket-dir", str(tmp_path / "run"), "--cache", "ns.llama", "--gpu-uuid", uuid,
+         "--socket-dir", str(run_dir), "--cache", "ns.llama", "--gpu-uuid", uuid,
          "--http-address", "none"],
         stdout=log.open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
-    daemon = DaemonProcess(str(tmp_path / "run" / "ns.llama" / f"gpu-{uuid}.sock"), proc, log)
+    daemon = DaemonProcess(str(run_dir / "ns.llama" / f"gpu-{uuid}.sock"), proc, log)
     try:
         daemon.wait_ready()
         status = daemon_status(daemon.socket_path)
@@ -159,6 +164,7 @@ def test_auto_transport_prefers_vmm_fd_and_pins_by_uuid(llama_dir, tmp_path):
         assert attach(daemon.socket_path).transport == "vmm_fd"
     finally:
         daemon.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 WRITER = textwrap.dedent(
@@ -239,7 +245,10 @@ def test_torch_ipc_engine_fail_stops_when_daemon_dies(llama_dir, daemon_factory)
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        assert engine.stdout.readline().strip() == "attached"
+        line = engine.stdout.readline().strip()
+        if line != "attached":
+            _, stderr = engine.communicate(timeout=30)
+            pytest.fail(f"engine exited {engine.returncode} before attaching: {stderr}")
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait()
         assert engine.wait(timeout=60) == DAEMON_DIED_EXIT_CODE

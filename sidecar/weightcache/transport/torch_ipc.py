@@ -84,7 +84,7 @@ class TorchIpcBackend(WeightCacheTransportBackend):
         assert isinstance(memory, TorchAllocatorMemory)
         if memory.device.type == "cuda":
             handles = [self._cuda_handle(b) for b in memory.buffers]
-            return Export(handles=msgspec.to_builtins(handles), fds=[])
+            return Export(handles=handles, fds=[])
         fds = [b.untyped_storage()._share_fd_cpu_()[0] for b in memory.buffers]
         return Export(handles=[None] * len(fds), fds=fds)
 
@@ -109,7 +109,10 @@ class TorchIpcBackend(WeightCacheTransportBackend):
     def import_tensor(self, entry: AllocationEntry) -> torch.Tensor:
         handle = entry.handle
         if isinstance(handle, CudaIpcHandle):
-            storage = torch.UntypedStorage._new_shared_cuda(*msgspec.structs.astuple(handle))
+            # Opening an IPC handle in a process that has not touched CUDA yet crashes.
+            torch.cuda.init()
+            with torch.cuda.device(handle.device):
+                storage = torch.UntypedStorage._new_shared_cuda(*msgspec.structs.astuple(handle))
         else:
             if entry.fd is None:
                 raise ProtocolError(
