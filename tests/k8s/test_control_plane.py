@@ -313,3 +313,35 @@ def test_sigkilled_owner_leaves_no_process_and_no_listening_port(
     assert not left, subprocess.run(
         ["ss", "-tanp"], capture_output=True, text=True
     ).stdout + json.dumps(started)
+
+
+def test_cli_up_env_down_leaves_nothing_behind(cluster: Cluster) -> None:
+    # Needs `cluster` only so the binaries exist; `up` starts its own plane.
+    name = f"test-{os.getpid()}"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tools.testenv", *args, "--name", name],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    try:
+        up = cli("up", "--nodes", "1")
+        assert up.returncode == 0, up.stderr
+        exports = dict(
+            line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()
+        )
+        kubeconfig = Path(exports["KUBECONFIG"])
+        assert cli("env").stdout == up.stdout
+        state = json.loads((kubeconfig.parent.parent / "state.json").read_text())
+        nodes = cluster.kubectl("get", "nodes", "-o", "name", kubeconfig_path=kubeconfig)
+        assert nodes.stdout.split() == ["node/kwok-gpu-0"]
+    finally:
+        down = cli("down")
+    assert down.returncode == 0, down.stderr
+    assert not group_alive(state["pgid"])
+    assert not [p for p in state["ports"].values() if port_is_listening(p)]
+    assert cli("env").returncode != 0

@@ -105,7 +105,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
         time.sleep(0.2)
     print(
-        f"testenv: up in {time.monotonic() - started:.1f} s (logs: {directory}/logs)",
+        f"testenv: up in {time.monotonic() - started:.1f} s (logs: {directory}/cluster/logs)",
         file=sys.stderr,
     )
     print(exports(load_state(directory / "state.json")))

@@ -56,7 +56,8 @@ def go_build_flags(stamp_kubernetes_version: bool) -> tuple[str, ...]:
                 f"-X {package}.gitMinor={minor}",
                 f"-X {package}.gitTreeState=clean",
             ]
-    return ("-trimpath", "-ldflags=" + " ".join(ldflags))
+    # No VCS stamp: the binary depends on the pin alone, not on the checkout's git state.
+    return ("-trimpath", "-buildvcs=false", "-ldflags=" + " ".join(ldflags))
 
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -186,6 +187,7 @@ def _build_into(pin_dir: Path, log: Log) -> None:
             )
             + "\n"
         )
+        staging.chmod(0o755)  # mkdtemp made it private; the cache is shared by every clone
         staging.rename(pin_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -202,7 +204,7 @@ def _go_build(module_dir: Path, package: str, output: Path, stamp: bool, log: Lo
         raise RuntimeError(
             "testenv: the Go toolchain ('go') is not on PATH; it builds the control plane"
         )
-    log(f"testenv: go build {package} in {module_dir.name}/ (cold: tens of minutes on 2 cores)")
+    log(f"testenv: go build {package} in {module_dir.name}/ (cold on 2 cores: minutes)")
     started = time.monotonic()
     subprocess.run(
         ["go", "build", *go_build_flags(stamp), "-o", str(output), package],
