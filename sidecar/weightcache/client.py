@@ -143,9 +143,29 @@ def _connect(socket_path: str, timeout: float) -> socket.socket:
     return sock
 
 
+def _send(sock: socket.socket, request, socket_path: str, max_frame: int) -> None:
+    """Send a request; if the daemon hung up first, raise the reason it gave.
+
+    A daemon refusing a connection (busy, peer not allowed) answers at once and
+    closes without reading, so our send can fail with EPIPE while its error
+    reply waits in our receive queue.
+    """
+    try:
+        send_message(sock, request)
+    except (BrokenPipeError, ConnectionResetError):
+        try:
+            body, _ = recv_frame(sock, max_frame, max_fds=0)
+            reply = decode_reply(body)
+        except (OSError, EOFError, ProtocolError):
+            reply = None
+        if isinstance(reply, ErrorReply):
+            raise DaemonError(f"daemon at {socket_path}: {reply.error}") from None
+        raise
+
+
 def _request(socket_path: str, request, timeout: float, max_frame: int = DEFAULT_MAX_FRAME):
     with _connect(socket_path, timeout) as sock:
-        send_message(sock, request)
+        _send(sock, request, socket_path, max_frame)
         body, _ = recv_frame(sock, max_frame, max_fds=0)
     reply = decode_reply(body)
     if isinstance(reply, ErrorReply):
@@ -195,7 +215,8 @@ def attach(
     if fallback_model_dir is not None and not os.path.exists(socket_path):
         return _load_from_disk(Path(fallback_model_dir), config)
     with _connect(socket_path, timeout) as sock:
-        send_message(sock, FetchStateRequest(v=1, config=config, transports=transports))
+        request = FetchStateRequest(v=1, config=config, transports=transports)
+        _send(sock, request, socket_path, max_frame)
         body, _ = recv_frame(sock, max_frame, max_fds=0)
         reply = _checked_reply(decode_reply(body), config, transports, socket_path)
         backend = get_client_transport_backend(reply.transport_backend, read_write=read_write)
