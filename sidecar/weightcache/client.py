@@ -137,6 +137,14 @@ def _connect(socket_path: str, timeout: float) -> socket.socket:
     sock.settimeout(timeout)
     try:
         sock.connect(socket_path)
+    except OSError as exc:
+        sock.close()
+        if exc.errno is None:
+            raise
+        # "Connection refused" alone does not say which daemon is down (or restarting).
+        raise type(exc)(
+            exc.errno, f"no weightcache daemon answering ({exc.strerror})", socket_path
+        ) from None
     except BaseException:
         sock.close()
         raise
