@@ -193,21 +193,28 @@ def _build_into(pin_dir: Path, log: Log) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _go() -> str:
+    """The Go toolchain: on PATH, else where the official tarball installs it."""
+    go = shutil.which("go") or shutil.which("go", path="/usr/local/go/bin")
+    if go is None:
+        raise RuntimeError(
+            "testenv: the Go toolchain ('go') is not on PATH nor in /usr/local/go/bin;"
+            " it builds the control plane"
+        )
+    return go
+
+
 def _go_version() -> str:
     return subprocess.run(
-        ["go", "env", "GOVERSION"], check=True, capture_output=True, text=True
+        [_go(), "env", "GOVERSION"], check=True, capture_output=True, text=True
     ).stdout.strip()
 
 
 def _go_build(module_dir: Path, package: str, output: Path, stamp: bool, log: Log) -> float:
-    if shutil.which("go") is None:
-        raise RuntimeError(
-            "testenv: the Go toolchain ('go') is not on PATH; it builds the control plane"
-        )
     log(f"testenv: go build {package} in {module_dir.name}/ (cold on 2 cores: minutes)")
     started = time.monotonic()
     subprocess.run(
-        ["go", "build", *go_build_flags(stamp), "-o", str(output), package],
+        [_go(), "build", *go_build_flags(stamp), "-o", str(output), package],
         cwd=module_dir,
         env={**os.environ, **GO_BUILD_ENV},
         check=True,
