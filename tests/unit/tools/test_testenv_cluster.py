@@ -1,0 +1,71 @@
+from pathlib import Path
+
+from tools.testenv import cluster, nodes, pki
+
+PORTS = cluster.Ports(
+    etcd_client=1001, etcd_peer=1002, apiserver=1003, controller_manager=1004, scheduler=1005
+)
+
+
+def _pki(root: Path) -> pki.Pki:
+    def pair(name: str) -> pki.KeyPair:
+        return pki.KeyPair(root / f"{name}.crt", root / f"{name}.key")
+
+    return pki.Pki(
+        pair("ca"),
+        pair("apiserver"),
+        pair("admin"),
+        pair("kcm"),
+        pair("sched"),
+        root / "sa.key",
+        root / "sa.pub",
+    )
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return {k: v for k, _, v in (a.removeprefix("--").partition("=") for a in args)}
+
+
+def test_apiserver_serves_only_tls_on_loopback_with_rbac(tmp_path: Path) -> None:
+    flags = _flags(cluster.apiserver_args(_pki(tmp_path), PORTS, tmp_path))
+    assert flags["bind-address"] == "127.0.0.1"
+    assert flags["secure-port"] == "1003"
+    assert flags["authorization-mode"] == "RBAC"
+    assert flags["etcd-servers"] == "http://127.0.0.1:1001"
+    assert flags["client-ca-file"] == str(tmp_path / "ca.crt")
+    assert flags["service-account-signing-key-file"] == str(tmp_path / "sa.key")
+    assert not any(k.startswith("insecure") for k in flags)
+
+
+def test_controllers_sign_tokens_and_publish_the_root_ca(tmp_path: Path) -> None:
+    config = tmp_path / "kcm.kubeconfig"
+    flags = _flags(cluster.controller_manager_args(_pki(tmp_path), PORTS, config, tmp_path))
+    assert flags["service-account-private-key-file"] == str(tmp_path / "sa.key")
+    assert flags["root-ca-file"] == str(tmp_path / "ca.crt")
+    assert flags["use-service-account-credentials"] == "true"
+    assert flags["bind-address"] == "127.0.0.1"
+    assert flags["kubeconfig"] == str(config)
+
+
+def test_etcd_listens_on_loopback_only(tmp_path: Path) -> None:
+    flags = _flags(cluster.etcd_args(tmp_path, PORTS))
+    assert flags["listen-client-urls"] == "http://127.0.0.1:1001"
+    assert flags["listen-peer-urls"] == "http://127.0.0.1:1002"
+
+
+def test_kwok_manages_only_annotated_nodes_with_our_stages(tmp_path: Path) -> None:
+    flags = _flags(cluster.kwok_args(tmp_path / "admin.kubeconfig"))
+    assert flags["manage-all-nodes"] == "false"
+    assert flags["manage-nodes-with-annotation-selector"] == (
+        f"{nodes.KWOK_NODE_ANNOTATION}={nodes.KWOK_NODE_ANNOTATION_VALUE}"
+    )
+    assert Path(flags["config"]) == cluster.STAGES_FILE
+    assert cluster.STAGES_FILE.is_file()
+
+
+def test_node_ready_reads_the_ready_condition() -> None:
+    assert cluster._node_ready({"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    assert not cluster._node_ready(
+        {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    )
+    assert not cluster._node_ready({})
