@@ -207,8 +207,8 @@ class Cluster:
         Ports are free when picked but not reserved; if another process takes
         one before a component binds it, start again on new ports.
         """
-        atexit.register(self.stop)
         for attempt in range(1, attempts + 1):
+            atexit.register(self.stop)
             try:
                 self._start(time.monotonic() + timeout)
                 return
