@@ -84,7 +84,7 @@ def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> V
     transports = ",".join(sorted({e.transport for e in report.gpus.values()}))
     return Verdict(
         True, WEIGHTS_RESIDENT,
-        f"daemon pod {pod.name}: {len(report.gpus)} GPU(s) hold {total} bytes via {transports}",
+        f"daemon pod {pod.name}: {len(report.gpus)} device(s) hold {total} bytes via {transports}",
         pod.name, report,
     )
 

@@ -130,6 +130,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.locks = KeyedLocks()
     memo.setdefault("sidecar_image", os.environ.get("WEIGHTCACHE_SIDECAR_IMAGE") or None)
     memo.parsed = {}
+    # The status this operator last wrote, per cache uid. The index lags our
+    # own writes by a watch round trip; events and transition times are
+    # derived from what we wrote, so a lagging index cannot repeat them.
+    memo.statuses = {}
 
 
 @kopf.on.probe(id="indices")
@@ -154,6 +158,8 @@ async def apply_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Mem
 async def resync_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
                        **kwargs: Any) -> None:
     state = State.of(kwargs)
+    # Compare with the stored status once in a while, so edits by others heal.
+    memo.statuses.pop(body.get("metadata", {}).get("uid"), None)
     await apply_daemonset(state, memo, views.cache_view(body))
     await reconcile_cache(state, memo, namespace, name)
     await remove_orphan_labels(state, memo)
@@ -173,6 +179,7 @@ async def cleanup_cache(namespace: str, name: str, uid: str, memo: kopf.Memo,
     for pod in list(state.engine_pods.get(namespace, [])):
         await reconcile_engine_pod(state, memo, namespace, pod.name, exclude=uid)
     metrics.forget_cache(namespace, name)
+    memo.statuses.pop(uid, None)
 
 
 @kopf.on.event("apps", "v1", "daemonsets", labels=DAEMON_LABELS)
@@ -283,25 +290,25 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
             return
         metrics.RECONCILES.labels("cache").inc()
         now = _now()
+        old = memo.statuses.get(cache.uid, cache.status)
         parsed = _parse(memo, cache)
         if isinstance(parsed, SpecError):
-            result = aggregate.error_status(cache.generation, cache.status, INVALID_SPEC,
-                                            str(parsed), now)
+            result = aggregate.error_status(cache.generation, old, INVALID_SPEC, str(parsed), now)
         else:
             spec, digest = parsed
             try:
                 render.render_daemonset(_ref(cache), spec, digest, memo.sidecar_image)
             except render.RenderError as exc:
-                result = aggregate.error_status(cache.generation, cache.status,
-                                                aggregate.RENDER_FAILED, str(exc), now)
+                result = aggregate.error_status(cache.generation, old, aggregate.RENDER_FAILED,
+                                                str(exc), now)
             else:
                 result = aggregate.build_status(
                     spec=spec, spec_hash=digest, generation=cache.generation,
-                    old_status=cache.status,
+                    old_status=old,
                     daemonset=state.daemonset(namespace, name),
                     pods=state.daemon_pods.get((namespace, name), []), now=now,
                 )
-        if result.status != cache.status:
+        if result.status != old:
             try:
                 await memo.kube.replace_cache_status(namespace, name, result.status)
             except ApiException as exc:
@@ -309,6 +316,7 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
                 if exc.status == 404:
                     return
                 raise
+            memo.statuses[cache.uid] = result.status
             for event in result.events:
                 kopf.event(_cache_body(cache), type=event.type, reason=event.reason,
                            message=event.message)

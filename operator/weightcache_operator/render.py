@@ -204,8 +204,17 @@ def _daemon_container(
         "--socket-dir", CONTAINER_SOCKET_ROOT,
         "--cache", f"{cache.namespace}.{cache.name}",
         "--transport", spec.transport,
-        "--http-port", str(port),
+        # The kubelet probes the pod IP, so listen on all interfaces.
+        "--http-address", f"0.0.0.0:{port}",
+        # Engines run with the cache's group as their primary group.
+        "--allow-gid", str(spec.sidecar.run_as_group),
     ]
+    for uid in spec.sidecar.peer_uids:
+        args += ["--allow-uid", str(uid)]
+    for gid in spec.sidecar.peer_gids:
+        args += ["--allow-gid", str(gid)]
+    if spec.model.revision:
+        args += ["--revision", spec.model.revision]
     if spec.model.dtype != "auto":
         args += ["--dtype", spec.model.dtype]
     if not cpu:

@@ -29,6 +29,7 @@ DEFAULT_SERVICE_ACCOUNT = "weightcache-daemon"
 DEFAULT_RESOURCE_NAME = "nvidia.com/gpu"
 DEFAULT_BYTE_TOLERANCE = 0.01
 MAX_GPUS_PER_NODE = 64
+MAX_PEER_IDS = 64
 
 # The same patterns the CRD uses, so both layers reject the same strings.
 ABS_PATH_RE = re.compile(r"^(/[A-Za-z0-9._@+=,:~-]+)+/?$")
@@ -123,6 +124,9 @@ class SidecarSpec:
     run_as_user: int = DEFAULT_RUN_AS
     run_as_group: int = DEFAULT_RUN_AS
     service_account_name: str = DEFAULT_SERVICE_ACCOUNT
+    # Peers the daemon serves besides its own uid and runAsGroup (SO_PEERCRED).
+    peer_uids: tuple[int, ...] = ()
+    peer_gids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -364,6 +368,7 @@ def _sidecar(spec: Mapping[str, Any]) -> SidecarSpec:
     group = _int(side, "runAsGroup", where, DEFAULT_RUN_AS, 1)
     account = _name(side, "serviceAccountName", where, DEFAULT_SERVICE_ACCOUNT)
     assert port is not None and user is not None and group is not None and account is not None
+    peers = _child(side, "allowedPeers", where)
     return SidecarSpec(
         image=_str(side, "image", where, max_len=1024),
         image_pull_policy=policy,
@@ -373,7 +378,20 @@ def _sidecar(spec: Mapping[str, Any]) -> SidecarSpec:
         run_as_user=user,
         run_as_group=group,
         service_account_name=account,
+        peer_uids=_ids(peers, "uids", f"{where}.allowedPeers"),
+        peer_gids=_ids(peers, "gids", f"{where}.allowedPeers"),
     )
+
+
+def _ids(parent: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
+    values = parent.get(key) or []
+    if not isinstance(values, list) or len(values) > MAX_PEER_IDS or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+    ):
+        raise SpecError(
+            f"{where}.{key}: must be a list of at most {MAX_PEER_IDS} non-negative integers"
+        )
+    return tuple(sorted(set(values)))
 
 
 def _selector(raw: Any, where: str) -> LabelSelector:

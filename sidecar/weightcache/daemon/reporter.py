@@ -191,6 +191,9 @@ class PodReporter:
             )
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Give the last status up to `timeout` seconds to land (e.g. an error before exit)."""
+        if self._thread is not None and self._thread.is_alive():
+            self.flush(timeout)
         with self._lock:
             self._stopping = True
             self._lock.notify_all()

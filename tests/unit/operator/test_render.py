@@ -64,9 +64,12 @@ def test_cpu_daemonset_shape() -> None:
     assert arg(container, "--transport") == "memfd"
     assert arg(container, "--cache") == "team.minilm"
     assert arg(container, "--socket-dir") == CONTAINER_SOCKET_ROOT
-    assert arg(container, "--http-port") == "8470"
+    assert arg(container, "--http-address") == "0.0.0.0:8470"
+    assert arg(container, "--allow-gid") == "65532"
+    assert "--allow-uid" not in container["args"]
     assert arg(container, "--tp-size") is None
     assert arg(container, "--dtype") is None
+    assert arg(container, "--revision") is None
     variables = env(container)
     assert variables["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert variables["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -167,8 +170,17 @@ def test_torch_ipc_needs_host_pid_and_ipc() -> None:
     assert spec["hostPID"] is True and spec["hostIPC"] is True
 
 
-def test_dtype_and_placement_pass_through() -> None:
-    raw = {**GPU, "model": {"path": "/m", "dtype": "bfloat16"}, "placement": {
+def test_allowed_peers() -> None:
+    raw = {**CPU, "sidecar": {"image": "s:1", "runAsGroup": 3000,
+                              "allowedPeers": {"uids": [1000, 0], "gids": [44]}}}
+    args = pod(render(raw))["containers"][0]["args"]
+    pairs = {(flag, args[i + 1]) for i, flag in enumerate(args) if flag.startswith("--allow")}
+    assert pairs == {("--allow-gid", "3000"), ("--allow-gid", "44"), ("--allow-uid", "0"),
+                     ("--allow-uid", "1000")}
+
+
+def test_dtype_revision_and_placement_pass_through() -> None:
+    raw = {**GPU, "model": {"path": "/m", "dtype": "bfloat16", "revision": "r1"}, "placement": {
         "nodeSelector": {"pool": "h200"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
         "affinity": {"nodeAffinity": {"x": 1}},
@@ -176,6 +188,7 @@ def test_dtype_and_placement_pass_through() -> None:
     }}
     spec = pod(render(raw))
     assert {arg(c, "--dtype") for c in spec["containers"]} == {"bfloat16"}
+    assert {arg(c, "--revision") for c in spec["containers"]} == {"r1"}
     assert spec["nodeSelector"] == {"pool": "h200"}
     assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     assert spec["affinity"] == {"nodeAffinity": {"x": 1}}

