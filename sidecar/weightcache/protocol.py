@@ -219,14 +219,15 @@ def decode_request(body: bytes) -> Request:
     """Strictly decode a client request; raise ProtocolError naming what is wrong."""
     try:
         return _request_decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"bad request: {exc}") from None
 
 
 def decode_reply(body: bytes) -> Reply:
     try:
         return _reply_decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        # RecursionError: deeply nested values in the loosely typed fields.
         raise ProtocolError(f"bad reply from daemon: {exc}") from None
 
 
