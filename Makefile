@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the package's declared dependencies change.
 VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv demo test lint test-unit test-gpu clean
+.PHONY: venv testenv demo demo-k8s test lint test-unit test-gpu clean
 
 venv: $(VENV_STAMP)
 
@@ -20,11 +20,16 @@ $(VENV_STAMP): pyproject.toml
 demo: venv
 	$(PY) examples/demo.py
 
+# The local Kubernetes control plane (built from Go modules, cached outside the repo).
+testenv: venv
+	$(PY) -m tools.testenv build
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: lint
-	$(PY) -m pytest -rs tests
+# Unit tests, then GPU tests (skipped without a CUDA device), then the real control plane.
+test: lint testenv
+	$(PY) -m pytest -rs tests/unit tests/gpu tests/k8s
 
 test-unit: venv
 	$(PY) -m pytest -rs tests/unit
