@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from weightcache.daemon.server import PeerPolicy
+from weightcache.handback import HandbackServer, offer_handback
 from weightcache.layout import build_views, check_layout
 from weightcache.protocol import (
     DEFAULT_MAX_FRAME,
@@ -73,6 +75,7 @@ class AttachedWeights:
     socket_path: str | None
     _memory: ImportedMemory | None = field(default=None, repr=False)
     _watchdog: DaemonWatchdog | None = field(default=None, repr=False)
+    _handback: HandbackServer | None = field(default=None, repr=False)
 
     def daemon_alive(self, timeout: float = 2.0) -> bool:
         """Whether the daemon that served these weights still answers (same pid)."""
@@ -93,6 +96,9 @@ class AttachedWeights:
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self._handback is not None:
+            self._handback.close()  # before its fds are closed below
+            self._handback = None
         self.tensors = {}
         if self._memory is not None:
             self._memory.close()
@@ -208,6 +214,8 @@ def attach(
     watchdog_interval: float = 1.0,
     timeout: float = 30.0,
     max_frame: int = DEFAULT_MAX_FRAME,
+    handback: bool = True,
+    handback_peers: PeerPolicy | None = None,
 ) -> AttachedWeights:
     """Map the daemon's weights into this process.
 
@@ -218,6 +226,10 @@ def attach(
     ``watchdog`` (default: on for torch_ipc on CUDA, whose memory dies with the
     daemon) polls the daemon and calls ``on_daemon_death`` (default: exit the
     process with DAEMON_DIED_EXIT_CODE) when it is gone.
+    ``handback`` (fd transports): keep the fds and hand them back to a
+    restarting daemon that ``handback_peers`` allows (default: our own uid),
+    so it re-adopts the weights instead of reloading them (see
+    :mod:`weightcache.handback`).
     """
     transports = list(transports or default_client_transports())
     if fallback_model_dir is not None and not os.path.exists(socket_path):
@@ -248,6 +260,11 @@ def attach(
     on_cuda = any(b.device.type == "cuda" for b in memory.buffers)
     if watchdog if watchdog is not None else (backend.name == "torch_ipc" and on_cuda):
         attached._watchdog = DaemonWatchdog(attached, watchdog_interval, on_daemon_death)
+    if handback and backend.keeps_fds and memory.fds:
+        sizes = reply.layout.allocation_sizes
+        attached._handback = offer_handback(
+            socket_path, reply.fingerprint, sizes, memory.fds, handback_peers
+        )
     return attached
 
 

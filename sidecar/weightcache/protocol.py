@@ -169,6 +169,8 @@ class DaemonStatus(msgspec.Struct, forbid_unknown_fields=True):
     socket: str
     clients_served: NonNegInt
     error: str | None
+    # Why the weights came from where they did (re-adopted, or why not).
+    load_reason: str | None = None
 
 
 class PingReply(_Message, tag="ping_reply"):
@@ -206,9 +208,36 @@ class FetchStateReply(_Message, tag="fetch_state_reply"):
 
 Reply = PingReply | StatusReply | ErrorReply | FetchStateReply
 
+
+# --------------------------------------------------------------------------- hand-back
+# The reverse direction: a restarting daemon asks an engine (on the engine's
+# own socket) for the fds of the weights it holds. Kept out of Request/Reply
+# so neither side ever accepts the other's messages.
+
+Fingerprint = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class ReadoptRequest(_Message, tag="readopt"):
+    # The daemon socket's file name (gpu-<UUID>.sock): engines attached to
+    # another GPU's daemon in the same directory must not answer.
+    socket_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SOCKET_PATH_BYTES)]
+    fingerprint: Fingerprint
+
+
+class ReadoptReply(_Message, tag="readopt_reply"):
+    """``ok`` carries one fd per allocation (SCM_RIGHTS, in allocation order)."""
+
+    status: Literal["ok", "refused"]
+    pid: NonNegInt
+    allocation_sizes: list[NonNegInt] = []
+    error: str | None = None
+
+
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_readopt_request_decoder = msgspec.msgpack.Decoder(ReadoptRequest)
+_readopt_reply_decoder = msgspec.msgpack.Decoder(ReadoptReply)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -229,6 +258,20 @@ def decode_reply(body: bytes) -> Reply:
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         # RecursionError: deeply nested values in the loosely typed fields.
         raise ProtocolError(f"bad reply from daemon: {exc}") from None
+
+
+def decode_readopt_request(body: bytes) -> ReadoptRequest:
+    try:
+        return _readopt_request_decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"bad readopt request: {exc}") from None
+
+
+def decode_readopt_reply(body: bytes) -> ReadoptReply:
+    try:
+        return _readopt_reply_decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"bad readopt reply from engine: {exc}") from None
 
 
 def validated_preloaded_bytes(value: Any) -> int:

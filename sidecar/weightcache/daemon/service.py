@@ -14,6 +14,8 @@ import torch
 
 from weightcache.daemon.http import start_http_server
 from weightcache.daemon.lock import DeviceLock
+from weightcache.daemon.manifest import save_manifest
+from weightcache.daemon.readopt import try_readopt
 from weightcache.daemon.resident import ResidentWeights, load_from_disk
 from weightcache.daemon.server import (
     PeerPolicy,
@@ -48,6 +50,7 @@ class Daemon:
         self.options = options
         self._state = "loading"
         self._error: str | None = None
+        self._load_reason: str | None = None
         self._resident: ResidentWeights | None = None
         self._server: SocketServer | None = None
         self._stop = threading.Event()
@@ -75,6 +78,7 @@ class Daemon:
             socket=self.options.socket_path,
             clients_served=served,
             error=self._error,
+            load_reason=self._load_reason,
         )
 
     def request_stop(self, *_: object) -> None:
@@ -110,9 +114,21 @@ class Daemon:
         self._set_state("loading")
         code = 0
         try:
-            self._resident = load_from_disk(
-                opts.model_dir, opts.device, opts.transport, opts.dtype, opts.shard, opts.revision
+            disk = (
+                opts.model_dir,
+                opts.device,
+                opts.transport,
+                opts.dtype,
+                opts.shard,
+                opts.revision,
             )
+            readoption = try_readopt(opts.socket_path, opts.gpu, opts.policy, *disk)
+            self._load_reason = readoption.reason
+            self._resident = readoption.resident
+            if self._resident is None:
+                log.info("loading from disk: %s", readoption.reason)
+                self._resident = load_from_disk(*disk)
+                save_manifest(opts.socket_path, opts.gpu, self._resident)
             r = self._resident
             log.info(
                 "ready: %d bytes resident via %s in %.2f s (%s), fingerprint %s",

@@ -1,0 +1,309 @@
+"""The daemon's manifest: what it holds, written beside its socket for its successor.
+
+After a load the daemon writes ``<socket>.manifest`` (mode 0600, atomically:
+temporary file, fsync, rename, fsync of the directory): the config and its
+fingerprint, the transport, the GPU, the layout and one keyed digest per
+allocation. A restarted daemon re-adopts memory handed back by an engine only
+if the manifest still matches what it would load (see
+:func:`stale_reason`) and every allocation's digest matches.
+
+Digests are keyed: a 32-byte key, fresh at every load, lives only in the
+manifest. Engines run with other uids cannot read it, so they cannot build a
+different allocation of the same size that passes.
+
+- CPU memory (memfd): keyed BLAKE2b-256 over the mapping.
+- GPU memory (vmm_fd): hashing on the host would first copy the whole model
+  over PCIe, so the digest is a keyed linear hash computed on the GPU
+  (``m31-linear-x2``, :func:`linear_digest`). The allocation is read as
+  unsigned 16-bit halfwords ``h`` (each below the prime, so no two different
+  allocations are congruent) in chunks of ``CHUNK_HALFWORDS``; per lane ``l``
+  in {0, 1}, chunk ``j`` gives ``s = sum_i k_l[i] * h[j, i] mod (2^31 - 1)``
+  with a key vector ``k_l`` shared by all chunks, and the lane digest is
+  ``sum_j c_l[j] * s_j mod (2^61 - 1)`` with per-chunk keys ``c_l[j]``. For
+  two different allocations and a key their builder does not know, a lane
+  collides with probability at most 2^-31 + 2^-61; the two lanes use
+  independent keys, about 2^-62 together. The work is a handful of
+  elementwise int64 kernels per 8 MiB chunk with about 100 MiB of
+  temporaries, handed back to the driver afterwards: the engines' KV caches
+  fill the rest of the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import secrets
+from typing import Annotated, Literal
+
+import msgspec
+import torch
+
+from weightcache.daemon.resident import ResidentWeights
+from weightcache.layout import check_layout
+from weightcache.protocol import (
+    CacheConfig,
+    Fingerprint,
+    Layout,
+    Name,
+    config_differences,
+    fingerprint,
+)
+from weightcache.transport import get_daemon_transport_backend
+
+log = logging.getLogger(__name__)
+
+BLAKE2B = "blake2b-256-keyed"
+LINEAR = "m31-linear-x2"
+Algorithm = Literal["blake2b-256-keyed", "m31-linear-x2"]
+
+M31 = (1 << 31) - 1
+M61 = (1 << 61) - 1
+CHUNK_HALFWORDS = 1 << 22
+# Products are summed in groups this long before reducing mod M31, so int64
+# never overflows: 128 * (2^16 - 1) * (2^31 - 2) < 2^54. Allocations are
+# multiples of 256 bytes (layout.ALIGNMENT), i.e. of 128 halfwords.
+GROUP_HALFWORDS = 128
+LANES = 2
+
+HexKey = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,64}$")]
+
+
+class ManifestError(RuntimeError):
+    """The manifest is missing, unreadable or inconsistent; the message says which."""
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    v: Literal[1]
+    fingerprint: Fingerprint
+    config: CacheConfig
+    transport: Name
+    gpu: Annotated[str, msgspec.Meta(max_length=128)]
+    layout: Layout
+    checksum: Algorithm
+    checksum_key: HexKey
+    # One per allocation, in layout.allocation_sizes order.
+    digests: list[Digest]
+
+
+def manifest_path(socket_path: str) -> str:
+    return socket_path + ".manifest"
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def algorithm_for(device: torch.device) -> Algorithm:
+    return LINEAR if device.type == "cuda" else BLAKE2B
+
+
+def _host_bytes(buffer: torch.Tensor) -> memoryview:
+    """The bytes of a flat uint8 CPU tensor, without a copy (read-only mappings too)."""
+    if buffer.numel() == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())
+    return memoryview(raw).cast("B")
+
+
+def blake2b_digest(buffer: torch.Tensor, key: bytes) -> str:
+    return hashlib.blake2b(_host_bytes(buffer), key=key, digest_size=32).hexdigest()
+
+
+def _prf(key: bytes, label: str, index: int, modulus: int) -> int:
+    digest = hashlib.blake2b(
+        index.to_bytes(8, "little"), key=key, person=label.encode(), digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "little") % modulus
+
+
+def inner_keys(key: bytes, lane: int, length: int) -> torch.Tensor:
+    """Lane ``lane``'s key vector: ``length`` values uniform in [0, M31), int32 on the CPU.
+
+    Drawn from a seeded CPU generator: the same key gives the same vector on
+    any machine with this torch version (which the CacheConfig pins).
+    """
+    generator = torch.Generator().manual_seed(_prf(key, f"wc-inner-{lane}", 0, 1 << 63))
+    return torch.randint(0, M31, (length,), generator=generator, dtype=torch.int32)
+
+
+def outer_key(key: bytes, lane: int, chunk: int) -> int:
+    return _prf(key, f"wc-outer-{lane}", chunk, M61)
+
+
+def linear_digest(buffer: torch.Tensor, key: bytes, chunk_halfwords: int = CHUNK_HALFWORDS) -> str:
+    """The ``m31-linear-x2`` digest (module docstring) of a flat uint8 tensor, on its device."""
+    size = buffer.numel()
+    if size % (2 * GROUP_HALFWORDS) or chunk_halfwords % GROUP_HALFWORDS:
+        raise ValueError(
+            f"linear digest needs sizes in multiples of {2 * GROUP_HALFWORDS} bytes; got {size}"
+        )
+    halfwords = buffer.view(torch.int16)
+    total = halfwords.numel()
+    length = min(chunk_halfwords, total)
+    keys = [inner_keys(key, lane, length).to(buffer.device) for lane in range(LANES)]
+    product = torch.empty(length, dtype=torch.int64, device=buffer.device)
+    sums: list[torch.Tensor] = []
+    for start in range(0, total, chunk_halfwords):
+        n = min(chunk_halfwords, total - start)
+        words = halfwords[start : start + n].to(torch.int64).bitwise_and_(0xFFFF)
+        for lane in range(LANES):
+            torch.mul(words, keys[lane][:n], out=product[:n])
+            groups = product[:n].view(-1, GROUP_HALFWORDS).sum(1).remainder_(M31)
+            sums.append(groups.sum())
+    # One device-to-host transfer for all chunk sums, then the outer sum in Python.
+    values = torch.stack(sums).tolist() if sums else []
+    lanes = [0] * LANES
+    for i, value in enumerate(values):
+        chunk, lane = divmod(i, LANES)
+        lanes[lane] = (lanes[lane] + outer_key(key, lane, chunk) * (value % M31)) % M61
+    return "".join(f"{h:016x}" for h in lanes)
+
+
+def allocation_digests(buffers: list[torch.Tensor], algorithm: str, key: bytes) -> list[str]:
+    """One digest per allocation; GPU temporaries are returned to the driver afterwards."""
+    on_cuda = any(b.device.type == "cuda" for b in buffers)
+    if algorithm == LINEAR:
+        digests = []
+        for b in buffers:
+            with torch.cuda.device(b.device) if b.is_cuda else contextlib.nullcontext():
+                digests.append(linear_digest(b, key))
+    elif algorithm == BLAKE2B:
+        if on_cuda:
+            raise ValueError(f"{BLAKE2B} digests CPU memory; these allocations are on the GPU")
+        digests = [blake2b_digest(b, key) for b in buffers]
+    else:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return digests
+
+
+# --------------------------------------------------------------------------- build, write, read
+
+
+def build_manifest(
+    *, config: CacheConfig, transport: str, gpu: str, layout: Layout, buffers: list[torch.Tensor]
+) -> Manifest:
+    """Digest every allocation under a fresh key."""
+    key = secrets.token_bytes(32)
+    device = buffers[0].device if buffers else torch.device("cpu")
+    algorithm = algorithm_for(device)
+    return Manifest(
+        v=1,
+        fingerprint=fingerprint(config),
+        config=config,
+        transport=transport,
+        gpu=gpu,
+        layout=layout,
+        checksum=algorithm,
+        checksum_key=key.hex(),
+        digests=allocation_digests(buffers, algorithm, key),
+    )
+
+
+def write_manifest(path: str, manifest: Manifest) -> None:
+    """Atomically replace ``path``: a reader sees the old manifest or the new, never a mix."""
+    data = msgspec.json.encode(manifest)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a crashed predecessor with our pid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only narrow it; make it exact
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def read_manifest(path: str) -> Manifest:
+    """The manifest at ``path``, checked for internal consistency; ManifestError says why not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"no manifest at {path} (first start, or the last daemon never finished a load)"
+        ) from None
+    except OSError as exc:
+        raise ManifestError(f"cannot open manifest {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        owner = os.fstat(f.fileno()).st_uid
+        if owner != os.getuid():
+            raise ManifestError(f"manifest {path} is owned by uid {owner}, not this daemon's")
+        data = f.read()
+    try:
+        manifest = msgspec.json.decode(data, type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ManifestError(f"manifest {path} is not valid: {exc}") from None
+    if fingerprint(manifest.config) != manifest.fingerprint:
+        raise ManifestError(f"manifest {path}: fingerprint does not match its config")
+    if len(manifest.digests) != len(manifest.layout.allocation_sizes):
+        raise ManifestError(
+            f"manifest {path}: {len(manifest.digests)} digests for "
+            f"{len(manifest.layout.allocation_sizes)} allocations"
+        )
+    try:
+        check_layout(manifest.layout)
+    except ValueError as exc:
+        raise ManifestError(f"manifest {path}: bad layout: {exc}") from None
+    return manifest
+
+
+def stale_reason(
+    manifest: Manifest, *, config: CacheConfig, transport: str, gpu: str, layout: Layout
+) -> str | None:
+    """Why the manifest does not describe what this daemon would load now (None: it does).
+
+    ``config`` and ``layout`` come from the checkpoint's headers alone, so this
+    costs no tensor bytes.
+    """
+    if manifest.fingerprint != fingerprint(config):
+        fields = config_differences(manifest.config, config)
+        return f"manifest is stale: the config differs in {', '.join(fields)}"
+    if manifest.transport != transport:
+        return f"manifest is for transport {manifest.transport}, this daemon serves {transport}"
+    if manifest.gpu != gpu:
+        return f"manifest is for {manifest.gpu}, this daemon serves {gpu}"
+    if manifest.layout != layout:
+        return "manifest's layout differs from the one this daemon would plan"
+    return None
+
+
+def save_manifest(socket_path: str, gpu: str, resident: ResidentWeights) -> str | None:
+    """Digest and write ``resident``'s manifest; the path, or None where none was written.
+
+    None for transports that cannot re-adopt (their memory dies with the
+    daemon), and on failure, logged: a daemon without a manifest still
+    serves; only its successor pays, by reloading from disk.
+    """
+    if not get_daemon_transport_backend(resident.transport).keeps_fds:
+        return None
+    path = manifest_path(socket_path)
+    try:
+        manifest = build_manifest(
+            config=resident.config,
+            transport=resident.transport,
+            gpu=gpu,
+            layout=resident.layout,
+            buffers=resident.memory.buffers,
+        )
+        write_manifest(path, manifest)
+    except (OSError, RuntimeError, ValueError) as exc:
+        log.error("manifest %s not written (a restart will reload from disk): %s", path, exc)
+        return None
+    return path

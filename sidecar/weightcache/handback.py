@@ -1,0 +1,254 @@
+"""Engines hand their weights' fds back to a restarting daemon.
+
+An engine attached over an fd transport (vmm_fd, memfd) keeps the fds it
+received. It listens on ``<socket dir>/engines/<pid>-<random>.sock`` (dir
+0750, socket 0660; the random part because engines in different pods share
+the directory and may have the same pid in their own PID namespaces) and
+answers exactly one request, ``readopt``: from a peer whose SO_PEERCRED uid
+or gid is allowed (default: the engine's own uid), naming the socket the
+engine attached to and the fingerprint it holds, it replies with the
+allocation sizes and the fds (SCM_RIGHTS). It keeps serving afterwards,
+since the next restart may come. :func:`ask_for_handback` is the daemon's side.
+
+The driver refuses to export an *imported* VMM handle again, so a daemon that
+re-adopts serves these very fds (duplicates of its predecessor's exports).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+
+from weightcache.daemon.server import PeerPolicy, peer_credentials
+from weightcache.protocol import (
+    ProtocolError,
+    ReadoptReply,
+    ReadoptRequest,
+    check_socket_path,
+    decode_readopt_reply,
+    decode_readopt_request,
+)
+from weightcache.wire import PeerClosed, close_fds, recv_frame, send_message
+
+log = logging.getLogger(__name__)
+
+ENGINES_DIR = "engines"
+# A readopt request or reply is a few hundred bytes.
+MAX_FRAME = 64 * 1024
+
+
+def engines_dir(daemon_socket_path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(daemon_socket_path)), ENGINES_DIR)
+
+
+def engine_sockets(daemon_socket_path: str) -> list[str]:
+    """Every engine's hand-back socket beside ``daemon_socket_path``, in name order."""
+    directory = engines_dir(daemon_socket_path)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(directory, n) for n in sorted(names) if n.endswith(".sock")]
+
+
+class HandbackServer:
+    """One attachment's hand-back socket, served by a daemon thread until :meth:`close`."""
+
+    def __init__(
+        self,
+        daemon_socket_path: str,
+        fingerprint: str,
+        allocation_sizes: list[int],
+        fds: list[int],
+        policy: PeerPolicy | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        """Does not take ownership of ``fds``: close this server before closing them."""
+        self.socket_name = os.path.basename(daemon_socket_path)
+        self.fingerprint = fingerprint
+        self._sizes = list(allocation_sizes)
+        self._fds = fds
+        self._policy = policy or PeerPolicy(frozenset({os.getuid()}))
+        self._timeout = timeout
+        # Held while fds are sent, so close() never returns mid-send.
+        self._lock = threading.Lock()
+        self._closed = False
+        directory = engines_dir(daemon_socket_path)
+        os.makedirs(directory, mode=0o750, exist_ok=True)
+        if os.stat(directory).st_uid == os.getuid():
+            os.chmod(directory, 0o750)
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(directory, f"{name}.sock")
+        check_socket_path(self.path)
+        self._listener = _listen(directory, name, self.path)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="wc-handback")
+        self._thread.start()
+        atexit.register(self.close)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    self._answer(conn)
+                except (OSError, PeerClosed) as exc:
+                    log.info("hand-back connection dropped: %s", exc)
+
+    def _refuse(self, conn: socket.socket, error: str) -> None:
+        send_message(conn, ReadoptReply(v=1, status="refused", pid=os.getpid(), error=error))
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(self._timeout)
+        pid, uid, gid = peer_credentials(conn)
+        if not self._policy.allows(uid, gid):
+            log.warning("refused hand-back to pid %d uid %d gid %d: not allowed", pid, uid, gid)
+            self._refuse(conn, f"peer uid {uid} / gid {gid} is not allowed")
+            return
+        try:
+            body, _ = recv_frame(conn, MAX_FRAME, max_fds=0)
+            request = decode_readopt_request(body)
+        except ProtocolError as exc:
+            self._refuse(conn, str(exc))
+            return
+        refusal = self._refusal(request)
+        if refusal is not None:
+            self._refuse(conn, refusal)
+            return
+        with self._lock:
+            if self._closed:
+                self._refuse(conn, "engine is detaching")
+                return
+            reply = ReadoptReply(v=1, status="ok", pid=os.getpid(), allocation_sizes=self._sizes)
+            send_message(conn, reply, fds=self._fds)
+        log.info("handed %d allocation(s) back to pid %d", len(self._fds), pid)
+
+    def _refusal(self, request: ReadoptRequest) -> str | None:
+        if request.socket_name != self.socket_name:
+            return f"attached to {self.socket_name}, not {request.socket_name}"
+        if request.fingerprint != self.fingerprint:
+            return f"holds fingerprint {self.fingerprint}, not {request.fingerprint}"
+        return None
+
+    def close(self) -> None:
+        """Stop answering and remove the socket; in-flight hand-backs finish first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self._timeout + 1)
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _listen(directory: str, name: str, path: str) -> socket.socket:
+    """Listen on ``path``, made visible only once it accepts.
+
+    Bound under a temporary name and renamed, so a ``.sock`` that refuses
+    connections is always a dead engine's and daemons may remove it.
+    """
+    tmp = os.path.join(directory, f".{name}.tmp")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117)  # created 0660: never briefly wider
+    try:
+        listener.bind(tmp)
+        listener.listen(8)
+        os.chmod(tmp, 0o660)
+        os.rename(tmp, path)
+    except BaseException:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.umask(old_umask)
+    return listener
+
+
+def offer_handback(
+    daemon_socket_path: str,
+    fingerprint: str,
+    allocation_sizes: list[int],
+    fds: list[int],
+    policy: PeerPolicy | None = None,
+) -> HandbackServer | None:
+    """A :class:`HandbackServer`, or None (logged) where the engines directory is unusable.
+
+    Attaching must not fail because a future daemon restart would be slower.
+    """
+    try:
+        return HandbackServer(daemon_socket_path, fingerprint, allocation_sizes, fds, policy)
+    except (OSError, ValueError) as exc:
+        log.warning(
+            "weights attached, but cannot offer them back to a restarting daemon "
+            "(it will reload from disk): %s",
+            exc,
+        )
+        return None
+
+
+# --------------------------------------------------------------------------- daemon side
+
+
+@dataclass
+class HandedBack:
+    pid: int
+    allocation_sizes: list[int]
+    fds: list[int]
+
+
+class EngineGone(ConnectionRefusedError):
+    """Nobody listens on the engine socket: its engine died without removing it."""
+
+
+def ask_for_handback(
+    engine_socket: str,
+    daemon_socket_name: str,
+    fingerprint: str,
+    max_allocations: int,
+    policy: PeerPolicy,
+    timeout: float = 5.0,
+) -> HandedBack:
+    """Ask one engine for its fds; raises with the reason on refusal or a bad reply.
+
+    The engine must run as a peer ``policy`` allows, the same rule the daemon
+    applies to the engines it serves.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(engine_socket)
+        except ConnectionRefusedError:
+            raise EngineGone(f"{engine_socket}: nobody listens (engine gone)") from None
+        pid, uid, gid = peer_credentials(sock)
+        if not policy.allows(uid, gid):
+            raise PermissionError(f"engine pid {pid} runs as uid {uid} / gid {gid}: not allowed")
+        request = ReadoptRequest(v=1, socket_name=daemon_socket_name, fingerprint=fingerprint)
+        send_message(sock, request)
+        body, fds = recv_frame(sock, MAX_FRAME, max_fds=max_allocations)
+    try:
+        reply = decode_readopt_reply(body)
+        if reply.status != "ok":
+            raise RuntimeError(f"engine pid {reply.pid} refused: {reply.error}")
+        if len(fds) != len(reply.allocation_sizes):
+            raise ProtocolError(
+                f"engine pid {reply.pid} sent {len(fds)} fds for "
+                f"{len(reply.allocation_sizes)} allocations"
+            )
+    except BaseException:
+        close_fds(fds)
+        raise
+    return HandedBack(reply.pid, reply.allocation_sizes, fds)

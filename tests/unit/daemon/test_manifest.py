@@ -1,0 +1,219 @@
+"""The daemon's manifest: atomic 0600 file, strict reading, staleness, keyed digests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+import msgspec
+import pytest
+import torch
+
+from weightcache.daemon.manifest import (
+    BLAKE2B,
+    LINEAR,
+    M31,
+    M61,
+    Manifest,
+    ManifestError,
+    algorithm_for,
+    allocation_digests,
+    build_manifest,
+    inner_keys,
+    linear_digest,
+    manifest_path,
+    outer_key,
+    read_manifest,
+    stale_reason,
+    write_manifest,
+)
+from weightcache.layout import TensorSpec, plan_layout
+from weightcache.protocol import (
+    CacheConfig,
+    FileIdentity,
+    ModelIdentity,
+    ShardSpec,
+)
+
+KEY = bytes(range(32))
+
+
+def config(header: str = "a" * 64, dtype: str | None = None) -> CacheConfig:
+    model = ModelIdentity("/models/m", None, [FileIdentity("model.safetensors", 1000, header)])
+    return CacheConfig(model, dtype, ShardSpec(), None, "2.5.0")
+
+
+LAYOUT = plan_layout([TensorSpec("w", torch.float32, (4, 6)), TensorSpec("b", torch.int64, (3,))])
+
+
+def buffers(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        for size in LAYOUT.allocation_sizes
+    ]
+
+
+def manifest(**changes) -> Manifest:
+    m = build_manifest(
+        config=config(), transport="memfd", gpu="cpu", layout=LAYOUT, buffers=buffers()
+    )
+    return msgspec.structs.replace(m, **changes)
+
+
+# --------------------------------------------------------------------------- file
+
+
+def test_written_atomically_with_mode_0600_and_read_back(tmp_path) -> None:
+    path = manifest_path(str(tmp_path / "cpu.sock"))
+    assert path == str(tmp_path / "cpu.sock.manifest")
+    old = os.umask(0)  # a permissive umask must not widen the file
+    try:
+        write_manifest(path, manifest(gpu="cpu"))
+        first = read_manifest(path)
+        write_manifest(path, manifest(transport="vmm_fd"))
+    finally:
+        os.umask(old)
+    assert first.transport == "memfd"
+    assert read_manifest(path).transport == "vmm_fd"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["cpu.sock.manifest"], "temporary file left behind"
+
+
+def test_missing_manifest_says_so(tmp_path) -> None:
+    with pytest.raises(ManifestError, match="no manifest at .*first start"):
+        read_manifest(str(tmp_path / "cpu.sock.manifest"))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"{not json", "is not valid"),
+        (b'{"v": 2}', "is not valid"),
+        (None, "fingerprint does not match its config"),
+        (None, "2 digests for 1 allocations"),
+    ],
+)
+def test_inconsistent_manifests_are_refused_with_the_reason(tmp_path, content, message) -> None:
+    path = str(tmp_path / "m")
+    if content is None:
+        good = manifest()
+        if "fingerprint" in message:
+            bad = msgspec.structs.replace(good, config=config(dtype="float16"))
+        else:
+            bad = msgspec.structs.replace(good, digests=good.digests * 2)
+        content = msgspec.json.encode(bad)
+    with open(path, "wb") as f:
+        f.write(content)
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(path)
+
+
+def test_manifest_owned_by_another_uid_is_refused(tmp_path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to chown the file to another uid")
+    path = str(tmp_path / "m")
+    write_manifest(path, manifest())
+    os.chown(path, 65534, 65534)
+    with pytest.raises(ManifestError, match="owned by uid 65534"):
+        read_manifest(path)
+
+
+# --------------------------------------------------------------------------- staleness
+
+
+def test_a_manifest_matching_what_would_load_is_not_stale() -> None:
+    m = manifest()
+    assert stale_reason(m, config=config(), transport="memfd", gpu="cpu", layout=LAYOUT) is None
+
+
+def test_staleness_names_what_changed() -> None:
+    m = manifest()
+    same = dict(config=config(), transport="memfd", gpu="cpu", layout=LAYOUT)
+    changed_header = stale_reason(m, **{**same, "config": config(header="b" * 64)})
+    assert "model.files[0].header_sha256" in changed_header
+    assert "dtype" in stale_reason(m, **{**same, "config": config(dtype="bfloat16")})
+    assert "vmm_fd" in stale_reason(m, **{**same, "transport": "vmm_fd"})
+    assert "GPU-1" in stale_reason(m, **{**same, "gpu": "GPU-1"})
+    other = plan_layout([TensorSpec("w", torch.float32, (4, 7))])
+    assert "layout" in stale_reason(m, **{**same, "layout": other})
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def reference_linear_digest(buffer: torch.Tensor, key: bytes, chunk: int) -> str:
+    """The documented formula, in plain Python integers (no overflow to worry about)."""
+    halfwords = [v & 0xFFFF for v in buffer.view(torch.int16).tolist()]
+    lanes = []
+    for lane in range(2):
+        k = inner_keys(key, lane, min(chunk, len(halfwords))).tolist()
+        total = 0
+        for j, start in enumerate(range(0, len(halfwords), chunk)):
+            part = halfwords[start : start + chunk]
+            s = sum(a * b for a, b in zip(k[: len(part)], part, strict=True)) % M31
+            total = (total + outer_key(key, lane, j) * s) % M61
+        lanes.append(total)
+    return "".join(f"{h:016x}" for h in lanes)
+
+
+@pytest.mark.parametrize("size", [0, 256, 4096, 4096 + 768])
+def test_linear_digest_equals_the_documented_formula(size) -> None:
+    # Worst case for int64 overflow: every halfword 0xFFFF.
+    full = torch.full((size,), 255, dtype=torch.uint8)
+    random = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    for buffer in (full, random):
+        assert linear_digest(buffer, KEY, 1024) == reference_linear_digest(buffer, KEY, 1024)
+
+
+def test_linear_digest_catches_any_single_changed_byte() -> None:
+    buffer = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    digest = linear_digest(buffer, KEY, 512)
+    for position in [0, 1, 511, 512, 1023, 2048, 4095]:
+        for flip in (1, 0x80):
+            forged = buffer.clone()
+            forged[position] ^= flip
+            assert linear_digest(forged, KEY, 512) != digest, (position, flip)
+
+
+def test_linear_digest_sees_words_that_are_congruent_mod_the_prime() -> None:
+    # As 32-bit words, 0 and 2^31 - 1 are equal mod M31; halfwords keep them apart.
+    zero = torch.zeros(256, dtype=torch.uint8)
+    forged = zero.clone()
+    forged.view(torch.int32)[0] = M31
+    assert linear_digest(zero, KEY) != linear_digest(forged, KEY)
+
+
+def test_digests_depend_on_the_key() -> None:
+    buffer = torch.randint(0, 256, (1024,), dtype=torch.uint8)
+    other = bytes(32)
+    assert linear_digest(buffer, KEY) != linear_digest(buffer, other)
+    assert allocation_digests([buffer], BLAKE2B, KEY) != allocation_digests(
+        [buffer], BLAKE2B, other
+    )
+
+
+def test_linear_digest_refuses_sizes_it_cannot_cover() -> None:
+    with pytest.raises(ValueError, match="multiples of 256 bytes"):
+        linear_digest(torch.zeros(100, dtype=torch.uint8), KEY)
+
+
+def test_cpu_digest_is_keyed_blake2b_of_the_bytes() -> None:
+    buffer = torch.randint(0, 256, (3000,), dtype=torch.uint8)
+    expected = hashlib.blake2b(bytes(buffer.tolist()), key=KEY, digest_size=32).hexdigest()
+    assert allocation_digests([buffer], BLAKE2B, KEY) == [expected]
+    assert algorithm_for(torch.device("cpu")) == BLAKE2B
+    assert algorithm_for(torch.device("cuda", 0)) == LINEAR
+    with pytest.raises(ValueError, match="unknown checksum algorithm"):
+        allocation_digests([buffer], "crc32", KEY)
+
+
+def test_every_manifest_gets_a_fresh_key() -> None:
+    a, b = manifest(), manifest()
+    assert a.checksum == BLAKE2B
+    assert a.checksum_key != b.checksum_key
+    assert a.digests != b.digests
+    key = bytes.fromhex(a.checksum_key)
+    assert allocation_digests(buffers(), a.checksum, key) == a.digests
+    assert allocation_digests(buffers(seed=1), a.checksum, key) != a.digests

@@ -1,0 +1,186 @@
+"""Engine hand-back: the engine's socket answers a daemon's readopt request with its fds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.unit.wc_harness import exchange, frame
+from weightcache.client import attach
+from weightcache.daemon.server import PeerPolicy
+from weightcache.handback import (
+    EngineGone,
+    HandbackServer,
+    ask_for_handback,
+    engine_sockets,
+    engines_dir,
+    offer_handback,
+)
+from weightcache.protocol import ReadoptRequest, decode_readopt_reply
+
+FINGERPRINT = "f" * 64
+OWN = PeerPolicy(frozenset({os.getuid()}))
+
+
+@pytest.fixture
+def socket_dir():
+    path = Path(tempfile.mkdtemp(prefix="wc-hb-", dir="/tmp"))
+    yield path
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            os.unlink(os.path.join(root, name))
+        for name in dirs:
+            os.rmdir(os.path.join(root, name))
+    os.rmdir(path)
+
+
+@pytest.fixture
+def memfds():
+    fds = []
+    for size in (4096, 8192):
+        fd = os.memfd_create("hb-test")
+        os.ftruncate(fd, size)
+        fds.append(fd)
+    yield fds
+    for fd in fds:
+        os.close(fd)
+
+
+@pytest.fixture
+def server(socket_dir, memfds):
+    s = HandbackServer(str(socket_dir / "gpu-A.sock"), FINGERPRINT, [4096, 8192], memfds)
+    yield s
+    s.close()
+
+
+def ask(server_or_path, name: str = "gpu-A.sock", fingerprint: str = FINGERPRINT, policy=OWN):
+    path = server_or_path if isinstance(server_or_path, str) else server_or_path.path
+    return ask_for_handback(path, name, fingerprint, 4, policy)
+
+
+def test_hands_back_the_same_files_and_keeps_serving(server, socket_dir, memfds) -> None:
+    assert engine_sockets(str(socket_dir / "gpu-A.sock")) == [server.path]
+    assert os.path.basename(server.path).startswith(f"{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(engines_dir(str(socket_dir / "x.sock"))).st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o660
+    for _ in range(2):  # another restart may come
+        handed = ask(server)
+        assert handed.pid == os.getpid()
+        assert handed.allocation_sizes == [4096, 8192]
+        inodes = [os.fstat(fd).st_ino for fd in handed.fds]
+        assert inodes == [os.fstat(fd).st_ino for fd in memfds]
+        for fd in handed.fds:
+            os.close(fd)
+
+
+def test_close_removes_the_socket(server, socket_dir) -> None:
+    server.close()
+    assert not os.path.exists(server.path)
+    assert engine_sockets(str(socket_dir / "gpu-A.sock")) == []
+    with pytest.raises(FileNotFoundError):
+        ask(server)
+    server.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("name", "fingerprint", "message"),
+    [
+        ("gpu-B.sock", FINGERPRINT, "attached to gpu-A.sock, not gpu-B.sock"),
+        ("gpu-A.sock", "0" * 64, f"holds fingerprint {FINGERPRINT}"),
+    ],
+)
+def test_refuses_a_daemon_of_another_cache_and_keeps_serving(server, name, fingerprint, message):
+    with pytest.raises(RuntimeError, match=message):
+        ask(server, name, fingerprint)
+    assert len(ask(server).fds) == 2
+
+
+def test_a_bad_frame_is_refused_and_the_engine_keeps_serving(server) -> None:
+    bad = frame(ReadoptRequest(v=1, socket_name="gpu-A.sock", fingerprint=FINGERPRINT))
+    bad = bad.replace(b"readopt", b"fetch_x")
+    got = exchange(server.path, bad)
+    reply = decode_readopt_reply(got.replies[0])
+    assert reply.status == "refused" and "bad readopt request" in reply.error
+    assert got.closed
+    assert len(ask(server).fds) == 2
+
+
+def test_a_peer_outside_the_allowlist_gets_no_fds(server, socket_dir, peers) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a peer as another uid")
+    # The peer may enter the directories as group 0, but its uid is not allowed.
+    os.chmod(socket_dir, 0o750)
+    request = frame(ReadoptRequest(v=1, socket_name="gpu-A.sock", fingerprint=FINGERPRINT))
+    result = peers.run(server.path, request, user=65534, group=0)
+    assert result.returncode == 0, result.stderr
+    reply = decode_readopt_reply(bytes.fromhex(result.stdout.strip()))
+    assert reply.status == "refused"
+    assert "uid 65534" in reply.error
+    assert reply.allocation_sizes == []
+
+
+def test_the_daemon_refuses_an_engine_it_does_not_allow(server) -> None:
+    with pytest.raises(PermissionError, match=f"uid {os.getuid()}"):
+        ask(server, policy=PeerPolicy(frozenset({12345})))
+
+
+def test_a_dead_engines_socket_is_recognised(socket_dir) -> None:
+    directory = Path(engines_dir(str(socket_dir / "gpu-A.sock")))
+    directory.mkdir()
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(directory / "1-deadbeef.sock"))
+    dead.close()  # the file stays, nobody listens: a killed engine's leftover
+    with pytest.raises(EngineGone):
+        ask(str(directory / "1-deadbeef.sock"))
+
+
+def test_an_unusable_engines_dir_only_costs_the_handback(socket_dir, memfds, caplog) -> None:
+    (socket_dir / "engines").write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        offered = offer_handback(str(socket_dir / "gpu-A.sock"), FINGERPRINT, [4096], memfds[:1])
+    assert offered is None
+    assert "cannot offer them back" in caplog.text
+
+
+# --------------------------------------------------------------------------- attach
+
+
+def test_attach_over_memfd_offers_the_weights_back_until_close(memfd_daemon) -> None:
+    attached = attach(memfd_daemon.socket, transports=["memfd"])
+    try:
+        [path] = [
+            p
+            for p in engine_sockets(memfd_daemon.socket)
+            if os.path.basename(p).startswith(f"{os.getpid()}-")
+        ]
+        name = os.path.basename(memfd_daemon.socket)
+        handed = ask(path, name, attached.fingerprint)
+        assert handed.allocation_sizes == [attached.preloaded_weights_bytes]
+        for fd in handed.fds:
+            os.close(fd)
+    finally:
+        attached.close()
+    assert not os.path.exists(path)
+
+
+def test_attach_without_handback_or_over_torch_ipc_offers_nothing(
+    memfd_daemon, torch_ipc_daemon
+) -> None:
+    def own_sockets(daemon) -> list[str]:
+        mine = f"{os.getpid()}-"
+        return [p for p in engine_sockets(daemon.socket) if os.path.basename(p).startswith(mine)]
+
+    declined = attach(memfd_daemon.socket, transports=["memfd"], handback=False)
+    ipc = attach(torch_ipc_daemon.socket, transports=["torch_ipc"])
+    try:
+        assert own_sockets(memfd_daemon) == []
+        assert own_sockets(torch_ipc_daemon) == []
+    finally:
+        declined.close()
+        ipc.close()
