@@ -1,6 +1,6 @@
 """`python -m weightcache_operator`: run the operator, or print its RBAC rules.
 
-    python -m weightcache_operator run [--namespace NS ...] [--metrics-port 8080]
+    python -m weightcache_operator run [--metrics-port 8080]
         [--liveness http://0.0.0.0:8081/healthz] [--sidecar-image IMAGE]
     python -m weightcache_operator rbac
 
@@ -30,8 +30,7 @@ def _run(args: argparse.Namespace) -> int:
         metrics.serve(args.metrics_port, args.metrics_addr)
     kopf.run(
         standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace or (),
+        clusterwide=True,
         liveness_endpoint=args.liveness or None,
         memo=kopf.Memo(sidecar_image=args.sidecar_image or None),
     )
@@ -54,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the operator")
-    run.add_argument("--namespace", action="append", default=[],
-                     help="watch only this namespace (repeatable); default: all namespaces")
     run.add_argument("--metrics-port", type=int, default=8080,
                      help="Prometheus /metrics port; 0 disables")
     run.add_argument("--metrics-addr", default="0.0.0.0")

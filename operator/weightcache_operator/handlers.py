@@ -134,11 +134,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # own writes by a watch round trip; events and transition times are
     # derived from what we wrote, so a lagging index cannot repeat them.
     memo.statuses = {}
-
-
-@kopf.on.probe(id="indices")
-def probe(**_: Any) -> str:
-    return "ok"
+    # Likewise the node labels this operator last wrote, per node.
+    memo.node_labels = {}
 
 
 # --------------------------------------------------------------------------- handlers
@@ -158,8 +155,6 @@ async def apply_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Mem
 async def resync_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
                        **kwargs: Any) -> None:
     state = State.of(kwargs)
-    # Compare with the stored status once in a while, so edits by others heal.
-    memo.statuses.pop(body.get("metadata", {}).get("uid"), None)
     await apply_daemonset(state, memo, views.cache_view(body))
     await reconcile_cache(state, memo, namespace, name)
     await remove_orphan_labels(state, memo)
@@ -308,7 +303,9 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
                     daemonset=state.daemonset(namespace, name),
                     pods=state.daemon_pods.get((namespace, name), []), now=now,
                 )
-        if result.status != old:
+        # Write when either what we wrote or what is stored differs: the
+        # first catches lag in the index, the second edits by others.
+        if result.status != old or result.status != cache.status:
             try:
                 await memo.kube.replace_cache_status(namespace, name, result.status)
             except ApiException as exc:
@@ -389,9 +386,11 @@ async def reconcile_node_label(state: State, memo: kopf.Memo, node: str, cache_n
             _verdict(memo, state, cache, node).ok
             for cache in state.live_caches(exclude=exclude) if cache.name == cache_name
         )
-        current = view.ready_caches & {cache_name}
-        patch = nodes.label_patch(current, frozenset({cache_name}) if ready else frozenset())
+        written = memo.node_labels.get(node, view.ready_caches)
+        patch = nodes.label_change(cache_name, ready, [view.ready_caches, written])
         await _patch_labels(memo, node, patch)
+        if patch:
+            memo.node_labels[node] = written | {cache_name} if ready else written - {cache_name}
 
 
 async def remove_orphan_labels(state: State, memo: kopf.Memo) -> None:
@@ -403,6 +402,7 @@ async def remove_orphan_labels(state: State, memo: kopf.Memo) -> None:
             if stale:
                 async with memo.locks.get(("node", view.name)):
                     await _patch_labels(memo, view.name, nodes.label_patch(stale, frozenset()))
+                    memo.node_labels.pop(view.name, None)
 
 
 async def _patch_labels(memo: kopf.Memo, node: str, patch: Mapping[str, str | None]) -> None:

@@ -27,7 +27,8 @@ def api_client() -> client.ApiClient:
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=configuration)
     else:
-        config.load_kube_config(client_configuration=configuration)
+        # Read $KUBECONFIG now: the client library reads it once, at import.
+        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=configuration)
     return client.ApiClient(configuration)
 
 

@@ -24,6 +24,19 @@ def orphans(labelled: frozenset[str], existing: Iterable[str]) -> frozenset[str]
     return labelled - frozenset(existing)
 
 
+def label_change(cache_name: str, ready: bool, observed: Iterable[frozenset[str]]
+                 ) -> Mapping[str, str | None]:
+    """Merge-patch for one cache's label, empty only if every observation already agrees.
+
+    The observations are the watch index (which lags our own writes) and what
+    this operator last wrote (which misses writes by others); patching when
+    either disagrees converges from both kinds of staleness.
+    """
+    if all((cache_name in labels) == ready for labels in observed):
+        return {}
+    return {names.node_label_key(cache_name): names.NODE_LABEL_READY if ready else None}
+
+
 def label_patch(current: frozenset[str], desired: frozenset[str]) -> Mapping[str, str | None]:
     """Merge-patch labels turning `current` Ready caches into `desired`; empty when equal."""
     patch: dict[str, str | None] = {}

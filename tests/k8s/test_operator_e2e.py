@@ -329,3 +329,58 @@ def test_invalid_caches_are_rejected_naming_the_field(
         cluster.kubectl("create", "-f", "-", input=json.dumps(doc))
     assert "is invalid" in err.value.stderr
     assert field in err.value.stderr
+
+
+@pytest.mark.parametrize(
+    ("raw", "detail"),
+    [
+        ("{not json", "not JSON"),
+        (json.dumps({"v": 1, "specHash": "x", "gpus": {"cpu": {
+            "state": "Ready", "preloadedWeightsBytes": -1, "expectedBytes": 1}}}),
+         "preloadedWeightsBytes"),
+        (json.dumps({"v": 1, "specHash": "x", "gpus": {}, "pad": "x" * (100 * 1024)}),
+         "over the 65536 cap"),
+    ],
+    ids=["not-json", "negative-bytes", "oversized"],
+)
+def test_malformed_report_is_ignored_with_an_event(
+    scene: Scene, api: Api, operator: OperatorProcess, raw: str, detail: str
+) -> None:
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    pod = scene.daemon_pod()
+    api.core.patch_namespaced_pod(pod.metadata.name, ns, {"metadata": {"annotations": {
+        names.REPORT_ANNOTATION: raw}}})
+    status = scene.status_where("status flags the report",
+                                lambda s: node_entry(s).get("reason") == "ReportMalformed")
+    assert detail in node_entry(status)["message"]
+    assert condition(status, "Degraded") == ("True", "ReportMalformed")
+    (event,) = eventually("a ReportMalformed event",
+                          lambda: api.events(ns, name, "ReportMalformed"))
+    assert event.type == "Warning" and pod.spec.node_name in event.message
+    operator.check_running()
+
+    # The real daemon's next report replaces the bad one.
+    scene.start_daemon()
+    scene.status_where("the node is verified", lambda s: s.get("readyNodes") == 1)
+
+
+def test_unrenderable_spec_is_reported_not_crashed(scene: Scene, api: Api,
+                                                   operator: OperatorProcess) -> None:
+    ns, name = scene.namespace, scene.name
+    doc = weightcache(ns, name, scene.node)
+    del doc["spec"]["sidecar"]["image"]  # and the operator runs without a default image
+    apply(scene.cluster, doc)
+    status = scene.status_where("the cache reports the render error",
+                                lambda s: s.get("phase") == "Error")
+    assert condition(status, "Degraded") == ("True", "RenderFailed")
+    assert "spec.sidecar.image" in next(
+        c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+    assert api.daemonset(ns, name) is None
+    assert eventually("a RenderFailed event", lambda: api.events(ns, name, "RenderFailed"))
+    operator.check_running()
+
+    scene.apply_cache()
+    eventually("the DaemonSet appears once the spec is fixed",
+               lambda: api.daemonset(ns, name))
+    scene.status_where("the error clears", lambda s: s.get("phase") in ("Loading", "Pending"))

@@ -127,7 +127,8 @@ def _default_api() -> Any:
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=configuration)
     else:
-        config.load_kube_config(client_configuration=configuration)
+        # Read $KUBECONFIG now: the client library reads it once, at import.
+        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=configuration)
     return client.CoreV1Api(client.ApiClient(configuration))
 
 

@@ -13,6 +13,17 @@ def test_label_patch_adds_and_removes_only_differences() -> None:
     assert nodes.label_patch(frozenset({"a"}), frozenset({"a"})) == {}
 
 
+def test_label_change_needs_every_observation_to_agree() -> None:
+    key = "weightcache.dev/minilm"
+    labelled, bare = frozenset({"minilm"}), frozenset()
+    assert nodes.label_change("minilm", True, [labelled, labelled]) == {}
+    assert nodes.label_change("minilm", False, [bare, bare]) == {}
+    # The index lags a write we made, or someone else edited the node: write again.
+    assert nodes.label_change("minilm", True, [bare, labelled]) == {key: "Ready"}
+    assert nodes.label_change("minilm", False, [bare, labelled]) == {key: None}
+    assert nodes.label_change("minilm", True, [labelled, frozenset({"other"})]) == {key: "Ready"}
+
+
 def test_orphans_are_labels_without_a_cache() -> None:
     assert nodes.orphans(frozenset({"a", "b"}), ["b", "c"]) == frozenset({"a"})
     assert nodes.orphans(frozenset(), ["b"]) == frozenset()
