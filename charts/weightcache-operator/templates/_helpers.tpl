@@ -69,10 +69,10 @@ app.kubernetes.io/part-of: weightcache
 
 {{/*
 The operator's rules: the same list as weightcache_operator.rbac.OPERATOR_RULES
-(tests/unit/chart/test_rbac.py keeps them equal). Namespaced resources go in
-the ClusterRole, or in a Role per watched namespace; nodes are cluster-scoped.
+(tests/unit/chart/test_chart_rbac.py keeps them equal). Cluster-wide: the
+operator watches every namespace (kopf standalone, clusterwide).
 */}}
-{{- define "wc.namespacedRules" }}
+{{- define "wc.operatorRules" }}
 # Watch caches; kopf patches its finalizer and progress annotations on them.
 - apiGroups: ["weightcache.dev"]
   resources: ["weightcaches"]
@@ -96,14 +96,11 @@ the ClusterRole, or in a Role per watched namespace; nodes are cluster-scoped.
 - apiGroups: [""]
   resources: ["pods/status"]
   verbs: ["patch"]
-- apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create"]
-{{- end }}
-
-{{- define "wc.clusterRules" }}
 # weightcache.dev/<name>=Ready node labels.
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["list", "watch", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
 {{- end }}

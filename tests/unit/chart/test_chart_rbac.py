@@ -1,8 +1,8 @@
 """The chart grants exactly the rules the operator and the daemon declare they need.
 
 weightcache_operator.rbac is the single source of the rules; the k8s tests
-prove each one is used. Here: the rendered Roles say the same, in both the
-cluster-wide and the namespaced install, and nothing is a wildcard.
+prove each one is used. Here: the rendered ClusterRole and daemon Roles say
+the same, and nothing is a wildcard.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import pytest
 
 from tests.unit.chart.chartkit import VALUE_SETS, Renderer, files, one, values_id
 from weightcache_operator import rbac
-
-CLUSTER_SCOPED = {"nodes"}
 
 
 def canonical(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -40,6 +38,7 @@ def test_cluster_wide_install_grants_exactly_the_operator_rules(render: Renderer
     docs = render()
     (cluster_role,) = roles(docs, "ClusterRole")
     assert canonical(cluster_role["rules"]) == canonical(rbac.OPERATOR_RULES)
+    # The operator's own rules live in the ClusterRole only (it watches every namespace).
     assert roles(docs, "Role") == []
     binding = one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -47,24 +46,6 @@ def test_cluster_wide_install_grants_exactly_the_operator_rules(render: Renderer
     sa = one(docs, "ServiceAccount", "-weightcache-operator")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": "wc-system"}]
-
-
-def test_namespaced_install_keeps_only_nodes_cluster_wide(render: Renderer) -> None:
-    docs = render(set_values=["watchNamespaces={team-a,team-b}"])
-    (cluster_role,) = roles(docs, "ClusterRole")
-    operator_roles = roles(docs, "Role")
-    assert sorted(r["metadata"]["namespace"] for r in operator_roles) == ["team-a", "team-b"]
-    expected = canonical(rbac.OPERATOR_RULES)
-    assert canonical(cluster_role["rules"]) == {t for t in expected if t[1] in CLUSTER_SCOPED}
-    for role in operator_roles:
-        assert canonical(role["rules"]) == {t for t in expected if t[1] not in CLUSTER_SCOPED}
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"
-                and d["roleRef"]["name"] == operator_roles[0]["metadata"]["name"]]
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    deployment = one(docs, "Deployment")
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith("--namespace=")] == [
-        "--namespace=team-a", "--namespace=team-b"]
 
 
 @pytest.mark.parametrize("daemon_namespaces", [[], ["team-a", "team-b"]])
