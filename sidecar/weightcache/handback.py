@@ -47,6 +47,19 @@ def engines_dir(daemon_socket_path: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(daemon_socket_path)), ENGINES_DIR)
 
 
+def prepare_engines_dir(daemon_socket_path: str) -> str:
+    """Create the engines' directory 0750 (tightening it if we own it); return its path.
+
+    Daemons create it at start too, so engine pods that mount the socket
+    directory read-only can mount this one writable.
+    """
+    directory = engines_dir(daemon_socket_path)
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    if os.stat(directory).st_uid == os.getuid():
+        os.chmod(directory, 0o750)
+    return directory
+
+
 def engine_sockets(daemon_socket_path: str) -> list[str]:
     """Every engine's hand-back socket beside ``daemon_socket_path``, in name order."""
     directory = engines_dir(daemon_socket_path)
@@ -79,10 +92,7 @@ class HandbackServer:
         # Held while fds are sent, so close() never returns mid-send.
         self._lock = threading.Lock()
         self._closed = False
-        directory = engines_dir(daemon_socket_path)
-        os.makedirs(directory, mode=0o750, exist_ok=True)
-        if os.stat(directory).st_uid == os.getuid():
-            os.chmod(directory, 0o750)
+        directory = prepare_engines_dir(daemon_socket_path)
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(directory, f"{name}.sock")
         check_socket_path(self.path)

@@ -35,7 +35,12 @@ from weightcache.daemon.manifest import (
 )
 from weightcache.daemon.resident import ResidentWeights
 from weightcache.daemon.server import PeerPolicy
-from weightcache.handback import EngineGone, ask_for_handback, engine_sockets
+from weightcache.handback import (
+    EngineGone,
+    ask_for_handback,
+    engine_sockets,
+    prepare_engines_dir,
+)
 from weightcache.layout import plan_layout
 from weightcache.protocol import ProtocolError, ShardSpec
 from weightcache.transport import get_daemon_transport_backend
@@ -97,8 +102,12 @@ def try_readopt(
     backend = get_daemon_transport_backend(transport)
     if not backend.keeps_fds:
         return Readoption(
-            None, f"transport {transport} cannot re-adopt: its memory dies with the daemon"
+            None, f"transport {transport} cannot re-adopt: engines keep no fds to hand back"
         )
+    try:
+        prepare_engines_dir(socket_path)
+    except OSError as exc:
+        log.warning("cannot create the engines' hand-back directory: %s", exc)
     try:
         manifest = read_manifest(manifest_path(socket_path))
         checkpoint = read_checkpoint(model_dir)

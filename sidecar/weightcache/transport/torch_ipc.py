@@ -5,6 +5,11 @@ share the daemon's PID namespace (hostPID across pods), the mapping is
 read-write, and the memory dies with the daemon, so engines treat daemon
 death as fail-stop. On the CPU it is PyTorch's shared-memory fd. The handle
 fields are sent as plain MessagePack values; nothing is pickled.
+
+torch_ipc cannot re-adopt (docs/readoption.md): on CUDA the memory belongs
+to the daemon's caching allocator and dies with the daemon, and engines keep
+no fds to hand back, so a restarted daemon always reloads from disk (its
+status says so).
 """
 
 from __future__ import annotations

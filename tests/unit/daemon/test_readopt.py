@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tests.unit.wc_harness import DaemonProcess
 from weightcache.client import attach
 from weightcache.daemon.manifest import manifest_path, read_manifest
-from weightcache.handback import engine_sockets
+from weightcache.handback import engine_sockets, engines_dir
 from weightcache.protocol import DaemonStatus
 
 ENGINE = textwrap.dedent(
@@ -132,6 +132,8 @@ def test_restart_readopts_from_a_live_engine_without_reading_the_checkpoint(
     assert stat.S_IMODE(os.stat(manifest_path(daemon.socket)).st_mode) == 0o600
     assert manifest.fingerprint == first.fingerprint
     assert manifest.layout.allocation_sizes == [first.preloaded_weights_bytes]
+    # Created by the daemon, so engine pods may mount just this directory writable.
+    assert stat.S_IMODE(os.stat(engines_dir(daemon.socket)).st_mode) == 0o750
     engine = engines.start(daemon.socket)
 
     daemon.kill()
