@@ -132,6 +132,22 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
     )
 
 
+def _serve(options: DaemonOptions) -> int:
+    """Run the daemon; inside a pod (POD_NAME/POD_NAMESPACE set) also report to Kubernetes."""
+    from weightcache.daemon.reporter import PodReporter
+
+    daemon = Daemon(options)
+    reporter = PodReporter.from_env()
+    if reporter is None:
+        return daemon.run()
+    reporter.start()
+    daemon.status_listeners.append(reporter.update)
+    try:
+        return daemon.run()
+    finally:
+        reporter.stop()  # waits briefly so the final (error or stopping) report lands
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         options = _options(args, parser)
-        return Daemon(options).run()
+        return _serve(options)
     except (DaemonAlreadyRunning, ValueError, RuntimeError, OSError) as exc:
         print(f"weightcache-sidecar: {exc}", file=sys.stderr)
         return 1
