@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import time
 
 import msgspec
 
@@ -24,6 +25,8 @@ from weightcache.protocol import (
 
 # The kernel refuses more than SCM_MAX_FD (253) descriptors in one message.
 MAX_FDS_PER_MESSAGE = 253
+# Bodies are read in pieces of at most this, so memory follows the bytes received.
+_RECV_CHUNK = 1 << 20
 
 
 class PeerClosed(EOFError):
@@ -73,20 +76,28 @@ def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]], into: list[int]) 
 
 
 def recv_frame(
-    sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, max_fds: int = 0
+    sock: socket.socket,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    max_fds: int = 0,
+    deadline: float | None = None,
 ) -> tuple[bytes, list[int]]:
     """Read one frame; return its body and the fds that came with it.
 
     Raises PeerClosed on a clean close before a frame starts, ProtocolError on a
     truncated or oversized frame, on fds when none are expected, and on fds cut
     short by the kernel (MSG_CTRUNC). Received fds are closed on every error.
+    ``deadline`` (a ``time.monotonic()`` value) bounds the whole frame, where
+    the socket's timeout bounds each read: a peer trickling a byte at a time
+    gets TimeoutError instead of holding the connection forever.
     """
     fds: list[int] = []
+    timeout = sock.gettimeout()
     try:
         header = bytearray()
         # Room for one more fd than allowed, so a peer sending too many is detected.
         control_size = socket.CMSG_SPACE((max_fds + 1) * array.array("i").itemsize)
         while len(header) < FRAME_HEADER.size:
+            _apply_deadline(sock, deadline, timeout)
             chunk, ancdata, flags, _ = sock.recvmsg(FRAME_HEADER.size - len(header), control_size)
             _fds_from_ancillary(ancdata, fds)
             if flags & socket.MSG_CTRUNC:
@@ -101,15 +112,28 @@ def recv_frame(
                 f"peer sent {len(fds)} file descriptors; expected at most {max_fds}"
             )
         length = unpack_frame_header(bytes(header), max_frame)
-        body = bytearray(length)
-        view = memoryview(body)
+        chunks: list[bytes] = []
         got = 0
         while got < length:
-            n = sock.recv_into(view[got:], length - got)
-            if n == 0:
+            _apply_deadline(sock, deadline, timeout)
+            chunk = sock.recv(min(length - got, _RECV_CHUNK))
+            if not chunk:
                 raise ProtocolError(f"truncated frame body ({got} of {length} bytes)")
-            got += n
-        return bytes(body), fds
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks), fds
     except BaseException:
         close_fds(fds)
         raise
+    finally:
+        if deadline is not None:
+            sock.settimeout(timeout)
+
+
+def _apply_deadline(sock: socket.socket, deadline: float | None, timeout: float | None) -> None:
+    if deadline is None:
+        return
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("timed out waiting for a whole frame")
+    sock.settimeout(remaining if timeout is None else min(timeout, remaining))

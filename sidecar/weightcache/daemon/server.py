@@ -187,8 +187,9 @@ class SocketServer:
             self.counters.active += 1
         try:
             while not self._stopping.is_set():
+                deadline = time.monotonic() + self._limits.timeout_seconds
                 try:
-                    body, _ = recv_frame(conn, self._limits.max_frame, max_fds=0)
+                    body, _ = recv_frame(conn, self._limits.max_frame, max_fds=0, deadline=deadline)
                     request = decode_request(body)
                 except PeerClosed:
                     return
