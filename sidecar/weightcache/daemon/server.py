@@ -36,6 +36,7 @@ from weightcache.wire import PeerClosed, recv_frame, send_message
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")
+MAX_ERROR_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,9 @@ class SocketServer:
         thread.start()
 
     def _reply_and_close(self, conn: socket.socket, error: str) -> None:
+        if len(error) > MAX_ERROR_CHARS:
+            # Decode errors quote the offending value, which may be megabytes long.
+            error = error[:MAX_ERROR_CHARS] + "... (truncated)"
         try:
             send_message(conn, ErrorReply(v=1, error=error))
         except OSError:
