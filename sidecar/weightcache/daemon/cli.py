@@ -17,6 +17,7 @@ from weightcache.daemon.server import PeerPolicy, ServerLimits
 from weightcache.daemon.service import Daemon, DaemonOptions
 from weightcache.devices import resolve_device
 from weightcache.protocol import DEFAULT_MAX_FRAME, ShardSpec, check_socket_path, socket_path
+from weightcache.shard import PLAN_NAMES, ShardError, check_spec
 from weightcache.transport import TRANSPORT_NAMES, default_daemon_transport
 
 
@@ -67,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--transport", default="auto", choices=("auto", *TRANSPORT_NAMES))
     serve.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="cast floating-point weights")
     serve.add_argument("--revision", help="model revision recorded in the CacheConfig")
-    serve.add_argument("--tp-size", type=int, default=1)
-    serve.add_argument("--tp-rank", type=int, default=0)
+    serve.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size")
+    serve.add_argument("--tp-rank", type=int, default=0, help="the rank whose shard to hold")
+    serve.add_argument(
+        "--shard-plan", choices=PLAN_NAMES, help="how tensors split across ranks (--tp-size > 1)"
+    )
     serve.add_argument(
         "--allow-uid",
         type=_non_negative_int,
@@ -113,6 +117,11 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
         parser.error(
             f"--tp-rank must be in [0, --tp-size); got rank {args.tp_rank} of {args.tp_size}"
         )
+    shard = ShardSpec(tp_size=args.tp_size, tp_rank=args.tp_rank, plan=args.shard_plan)
+    try:
+        check_spec(shard)
+    except ShardError as exc:
+        parser.error(f"--tp-size/--tp-rank/--shard-plan: {exc}")
     if args.max_connections < 1:
         parser.error("--max-connections must be at least 1")
     transport = default_daemon_transport(device) if args.transport == "auto" else args.transport
@@ -124,7 +133,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
         socket_path=path,
         transport=transport,
         dtype=dtype_from_name(args.dtype) if args.dtype else None,
-        shard=ShardSpec(tp_size=args.tp_size, tp_rank=args.tp_rank),
+        shard=shard,
         revision=args.revision,
         policy=PeerPolicy(uids, frozenset(args.allow_gid)),
         limits=ServerLimits(args.max_frame, args.max_connections, args.timeout),

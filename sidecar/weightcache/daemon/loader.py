@@ -2,11 +2,13 @@
 
 The checkpoint is cut into pieces of at most ``PIECE_BYTES`` in file order and
 read by a pool of threads (``preadv`` releases the GIL, so reads from several
-shards, or several parts of one, proceed at once). Host memory is filled by
-reading into the destination itself, so the model never exists twice. Device
-memory is filled through one pinned buffer per worker: each worker reads a
-chunk, queues its host-to-device copies on its own stream, and reads the next
-chunk while those copies run.
+shards, or several parts of one, proceed at once). With a tensor-parallel
+shard spec only the rank's byte ranges of each tensor are read (see
+:mod:`weightcache.shard`). Host memory is filled by reading into the
+destination itself, so the model never exists twice. Device memory is filled
+through one pinned buffer per worker: each worker reads a chunk, queues its
+host-to-device copies on its own stream, and reads the next chunk while those
+copies run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from weightcache.checkpoint import Checkpoint, TensorRecord
 from weightcache.layout import TensorSpec
-from weightcache.protocol import Layout
+from weightcache.protocol import Layout, ShardSpec
+from weightcache.shard import TensorShard, plan_shards
 
 # Large enough that a read is a long sequential request, small enough that
 # eight workers' pinned buffers stay modest (8 x 64 MiB).
@@ -38,8 +41,19 @@ def target_dtype(source: torch.dtype, cast_to: torch.dtype | None) -> torch.dtyp
     return source
 
 
-def tensor_specs_for(checkpoint: Checkpoint, cast_to: torch.dtype | None) -> list[TensorSpec]:
-    return [TensorSpec(t.name, target_dtype(t.dtype, cast_to), t.shape) for t in checkpoint.tensors]
+def shards_for(checkpoint: Checkpoint, shard: ShardSpec | None) -> dict[str, TensorShard]:
+    return plan_shards(checkpoint.tensors, shard or ShardSpec())
+
+
+def tensor_specs_for(
+    checkpoint: Checkpoint, cast_to: torch.dtype | None, shard: ShardSpec | None = None
+) -> list[TensorSpec]:
+    """What the daemon holds: every tensor, cast, cut to ``shard``'s rank."""
+    shards = shards_for(checkpoint, shard)
+    return [
+        TensorSpec(t.name, target_dtype(t.dtype, cast_to), shards[t.name].shape)
+        for t in checkpoint.tensors
+    ]
 
 
 def expected_bytes(specs: list[TensorSpec]) -> int:
@@ -74,8 +88,11 @@ def plan_chunks(
     layout: Layout,
     cast_to: torch.dtype | None,
     piece_bytes: int = PIECE_BYTES,
+    shard: ShardSpec | None = None,
 ) -> list[Chunk]:
-    """Cut every file, in file order, into chunks of at most ``piece_bytes`` (pure)."""
+    """Cut the rank's bytes of every file, in file order, into chunks spanning at most
+    ``piece_bytes`` (pure)."""
+    shards = shards_for(checkpoint, shard)
     where = {}
     for g in layout.groups:
         for i, name in enumerate(g.names):
@@ -89,10 +106,13 @@ def plan_chunks(
             size = record.dtype.itemsize
             # Split at element boundaries so a cast converts whole elements.
             step = max(size, piece_bytes // size * size)
-            for start in range(0, record.nbytes, step):
-                end = min(record.nbytes, start + step)
-                dest = offset + start // size * dest_dtype.itemsize
-                pieces.append(Piece(record, start, end, allocation, dest, dest_dtype))
+            written = 0  # source bytes already placed: the ranges fill the destination in order
+            for first, last in shards[record.name].ranges:
+                for start in range(first, last, step):
+                    end = min(last, start + step)
+                    dest = offset + (written + start - first) // size * dest_dtype.itemsize
+                    pieces.append(Piece(record, start, end, allocation, dest, dest_dtype))
+                written += last - first
         chunks += _group(f.path, pieces, piece_bytes)
     return chunks
 
@@ -113,20 +133,20 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
 
 
 def _group(path: Path, pieces: list[Piece], limit: int) -> list[Chunk]:
-    """Consecutive pieces, at most ``limit`` bytes a chunk (a larger piece stands alone)."""
+    """Consecutive pieces whose file span is at most ``limit`` bytes (a larger piece stands
+    alone). The span, not the sum of the pieces, is what a GPU worker's pinned buffer holds:
+    it includes the other ranks' bytes between a shard's ranges."""
     chunks: list[Chunk] = []
     current: list[Piece] = []
-    size = 0
     for piece in pieces + [None]:  # type: ignore[list-item]
-        n = 0 if piece is None else piece.end - piece.start
-        if current and (piece is None or size + n > limit):
+        if current:
             start = current[0].record.file_offset + current[0].start
             end = current[-1].record.file_offset + current[-1].end
-            chunks.append(Chunk(path, start, end, tuple(current)))
-            current, size = [], 0
+            if piece is None or piece.record.file_offset + piece.end - start > limit:
+                chunks.append(Chunk(path, start, end, tuple(current)))
+                current = []
         if piece is not None:
             current.append(piece)
-            size += n
     return chunks
 
 
@@ -137,9 +157,11 @@ def load_into_buffers(
     cast_to: torch.dtype | None,
     workers: int = DEFAULT_WORKERS,
     piece_bytes: int = PIECE_BYTES,
+    shard: ShardSpec | None = None,
 ) -> None:
-    """Fill ``buffers`` (flat uint8, one per allocation) with every tensor of the checkpoint."""
-    chunks = plan_chunks(checkpoint, layout, cast_to, piece_bytes)
+    """Fill ``buffers`` (flat uint8, one per allocation) with every tensor of the checkpoint,
+    or with ``shard``'s rank of each."""
+    chunks = plan_chunks(checkpoint, layout, cast_to, piece_bytes, shard)
     with ExitStack() as stack:
         fds = {}
         for f in checkpoint.files:

@@ -48,17 +48,18 @@ def load_from_disk(
     shard: ShardSpec | None = None,
     revision: str | None = None,
 ) -> ResidentWeights:
-    """Read the checkpoint into memory of ``transport``'s kind and prepare it for export."""
+    """Read the checkpoint (``shard``'s rank of it) into memory of ``transport``'s kind and
+    prepare it for export."""
     started = time.perf_counter()
     checkpoint = read_checkpoint(model_dir)
     config = cache_config(checkpoint, device, dtype, shard, revision)
     backend = get_daemon_transport_backend(transport)
-    specs = tensor_specs_for(checkpoint, dtype)
+    specs = tensor_specs_for(checkpoint, dtype, shard)
     layout = plan_layout(specs, backend.allocation_alignment(device))
     memory = backend.allocate(layout.allocation_sizes, device)
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            load_into_buffers(checkpoint, layout, memory.buffers, dtype)
+            load_into_buffers(checkpoint, layout, memory.buffers, dtype, shard=shard)
         memory.finish_load()
         export = backend.prepare_export(memory)
     except BaseException:
