@@ -112,6 +112,8 @@ class HandbackServer:
                     self._answer(conn)
                 except (OSError, PeerClosed) as exc:
                     log.info("hand-back connection dropped: %s", exc)
+                except Exception:  # one bad exchange must not end the offer
+                    log.exception("hand-back request failed")
 
     def _refuse(self, conn: socket.socket, error: str) -> None:
         send_message(conn, ReadoptReply(v=1, status="refused", pid=os.getpid(), error=error))
@@ -221,7 +223,7 @@ class HandedBack:
 
 
 class EngineGone(ConnectionRefusedError):
-    """Nobody listens on the engine socket: its engine died without removing it."""
+    """Nobody listens on the engine socket (its engine died without removing it), or it is gone."""
 
 
 def ask_for_handback(
@@ -241,7 +243,7 @@ def ask_for_handback(
         sock.settimeout(timeout)
         try:
             sock.connect(engine_socket)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, FileNotFoundError):
             raise EngineGone(f"{engine_socket}: nobody listens (engine gone)") from None
         pid, uid, gid = peer_credentials(sock)
         if not policy.allows(uid, gid):

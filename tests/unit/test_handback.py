@@ -83,7 +83,7 @@ def test_close_removes_the_socket(server, socket_dir) -> None:
     server.close()
     assert not os.path.exists(server.path)
     assert engine_sockets(str(socket_dir / "gpu-A.sock")) == []
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(EngineGone):
         ask(server)
     server.close()  # idempotent
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from weightcache.checkpoint import CheckpointError, cache_config, read_checkpoint
-from weightcache.daemon.loader import expected_bytes, tensor_specs_for
 from weightcache.daemon.manifest import (
     Manifest,
     ManifestError,
@@ -41,7 +40,7 @@ from weightcache.handback import (
     engine_sockets,
     prepare_engines_dir,
 )
-from weightcache.layout import plan_layout
+from weightcache.layout import tensor_specs
 from weightcache.protocol import ProtocolError, ShardSpec
 from weightcache.transport import get_daemon_transport_backend
 from weightcache.transport.base import (
@@ -80,7 +79,7 @@ class Readoption:
 
 
 class ChecksumMismatch(RuntimeError):
-    pass
+    """An engine handed back allocations whose bytes differ from the manifest's."""
 
 
 def try_readopt(
@@ -114,15 +113,17 @@ def try_readopt(
     except (ManifestError, CheckpointError) as exc:
         return Readoption(None, str(exc))
     config = cache_config(checkpoint, device, dtype, shard, revision)
-    specs = tensor_specs_for(checkpoint, dtype)
-    layout = plan_layout(specs, backend.allocation_alignment(device))
-    stale = stale_reason(manifest, config=config, transport=transport, gpu=gpu, layout=layout)
+    stale = stale_reason(manifest, config=config, transport=transport, gpu=gpu)
     if stale is not None:
         return Readoption(None, stale)
 
+    try:
+        engines = engine_sockets(socket_path)
+    except OSError as exc:
+        return Readoption(None, f"cannot list the engines' sockets: {exc}")
     failures: list[str] = []
     gone = 0
-    for engine in engine_sockets(socket_path):
+    for engine in engines:
         name = os.path.basename(engine)
         try:
             memory, pid = _adopt_from(engine, socket_path, manifest, backend, device, policy)
@@ -131,7 +132,7 @@ def try_readopt(
             with contextlib.suppress(OSError):
                 os.unlink(engine)
             continue
-        except (OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # whatever an engine does, the disk remains
             failures.append(f"{name}: {exc}")
             log.warning("engine %s did not hand the weights back: %s", name, exc)
             continue
@@ -141,7 +142,7 @@ def try_readopt(
             layout=manifest.layout,
             memory=memory,
             export=Export(handles=None, fds=list(memory.fds)),
-            expected_bytes=expected_bytes(specs),
+            expected_bytes=sum(spec.nbytes for spec, _, _ in tensor_specs(manifest.layout)),
             load_seconds=time.perf_counter() - started,
             load_source="readopted",
         )

@@ -125,19 +125,19 @@ def test_manifest_owned_by_another_uid_is_refused(tmp_path) -> None:
 
 def test_a_manifest_matching_what_would_load_is_not_stale() -> None:
     m = manifest()
-    assert stale_reason(m, config=config(), transport="memfd", gpu="cpu", layout=LAYOUT) is None
+    assert stale_reason(m, config=config(), transport="memfd", gpu="cpu") is None
 
 
 def test_staleness_names_what_changed() -> None:
     m = manifest()
-    same = dict(config=config(), transport="memfd", gpu="cpu", layout=LAYOUT)
+    same = dict(config=config(), transport="memfd", gpu="cpu")
     changed_header = stale_reason(m, **{**same, "config": config(header="b" * 64)})
     assert "model.files[0].header_sha256" in changed_header
     assert "dtype" in stale_reason(m, **{**same, "config": config(dtype="bfloat16")})
     assert "vmm_fd" in stale_reason(m, **{**same, "transport": "vmm_fd"})
     assert "GPU-1" in stale_reason(m, **{**same, "gpu": "GPU-1"})
-    other = plan_layout([TensorSpec("w", torch.float32, (4, 7))])
-    assert "layout" in stale_reason(m, **{**same, "layout": other})
+    sharded = msgspec.structs.replace(config(), shard=ShardSpec(tp_size=2, tp_rank=1))
+    assert "shard.tp_rank" in stale_reason(m, **{**same, "config": sharded})
 
 
 # --------------------------------------------------------------------------- digests
