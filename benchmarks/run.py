@@ -237,12 +237,87 @@ def suite_cpu(work: Path) -> dict:
     }
 
 
+HOLDER = (
+    "import sys, time\n"
+    "from weightcache.client import attach\n"
+    "attached = attach(sys.argv[1], watchdog=False)\n"
+    "print('attached', flush=True)\n"
+    "time.sleep(3600)\n"
+)
+
+
+def _start_daemon(model: Path, socket_path: str) -> tuple[subprocess.Popen, float]:
+    """Start a daemon; return it and the seconds from spawn to ready."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(model),
+         "--socket", socket_path, "--device", "cuda:0", "--transport", "vmm_fd",
+         "--http-address", "none"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            if daemon_status(socket_path).state == "ready":
+                return proc, time.perf_counter() - started
+        time.sleep(0.02)
+
+
+def suite_readopt(work: Path) -> dict:
+    """Daemon restart: re-adopting from a live engine vs reloading the checkpoint."""
+    model = write_checkpoint(work / "dense_291", llama8b_shapes())
+    files = checkpoint_files(model)
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="wcr", dir="/tmp"), "d", "gpu.sock")
+    spawn_to_ready: dict[str, list[float]] = {}
+    load_seconds: dict[str, list[float]] = {}
+    sources: dict[str, list[str]] = {}
+
+    def record(kind: str, seconds: float) -> None:
+        status = daemon_status(socket_path)
+        spawn_to_ready.setdefault(kind, []).append(seconds)
+        load_seconds.setdefault(kind, []).append(status.load_seconds)
+        sources.setdefault(kind, []).append(f"{status.load_source}: {status.load_reason}")
+
+    daemon, _ = _start_daemon(model, socket_path)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, socket_path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert engine.stdout.readline().strip() == "attached"
+        for _ in range(RUNS):
+            daemon.kill()
+            daemon.wait()
+            daemon, seconds = _start_daemon(model, socket_path)
+            record("readopt", seconds)
+    finally:
+        engine.kill()
+        engine.wait()
+    for cache in ("warm", "cold"):
+        for _ in range(RUNS):
+            daemon.kill()
+            daemon.wait()
+            if cache == "cold":
+                drop_page_cache(files)
+            daemon, seconds = _start_daemon(model, socket_path)
+            record(f"reload_{cache}", seconds)
+    daemon.terminate()
+    daemon.wait(60)
+    return {
+        "checkpoint_gb": total_bytes(files) / GB,
+        "spawn_to_ready": {k: summary(v, "s") for k, v in spawn_to_ready.items()},
+        "load_seconds": {k: summary(v, "s") for k, v in load_seconds.items()},
+        "load_source": sources,
+    }
+
+
 SUITES = {
     "attach": suite_attach,
     "load": suite_load,
     "restart": suite_restart,
     "kv": suite_kv,
     "cpu": suite_cpu,
+    "readopt": suite_readopt,
 }
 
 
