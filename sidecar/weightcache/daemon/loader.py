@@ -18,7 +18,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,7 +63,9 @@ def expected_bytes(specs: list[TensorSpec]) -> int:
 
 @dataclass(frozen=True)
 class Piece:
-    """A byte range of one tensor: ``[start, end)`` of its source bytes."""
+    """``rows`` byte ranges of one tensor's source bytes, the first ``[start, end)``, each
+    ``stride`` after the previous (a run of a row-parallel shard's rows; usually one range),
+    placed back to back from ``dest_offset``."""
 
     record: TensorRecord
     start: int
@@ -71,6 +73,17 @@ class Piece:
     allocation: int
     dest_offset: int  # where the piece's first destination byte goes
     dest_dtype: torch.dtype
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def span_end(self) -> int:
+        """End of the source bytes the piece's rows lie in (other ranks' bytes between them)."""
+        return self.start + (self.rows - 1) * self.stride + (self.end - self.start)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * (self.end - self.start)
 
 
 @dataclass(frozen=True)
@@ -103,18 +116,40 @@ def plan_chunks(
         for record in sorted(f.tensors, key=lambda t: t.file_offset):
             allocation, offset = where[record.name]
             dest_dtype = target_dtype(record.dtype, cast_to)
-            size = record.dtype.itemsize
-            # Split at element boundaries so a cast converts whole elements.
-            step = max(size, piece_bytes // size * size)
-            written = 0  # source bytes already placed: the ranges fill the destination in order
-            for first, last in shards[record.name].ranges:
-                for start in range(first, last, step):
-                    end = min(last, start + step)
-                    dest = offset + (written + start - first) // size * dest_dtype.itemsize
-                    pieces.append(Piece(record, start, end, allocation, dest, dest_dtype))
-                written += last - first
+            placed = Piece(record, 0, 0, allocation, offset, dest_dtype)
+            pieces += _pieces(placed, shards[record.name], piece_bytes)
         chunks += _group(f.path, pieces, piece_bytes)
     return chunks
+
+
+def _pieces(placed: Piece, shard: TensorShard, piece_bytes: int) -> list[Piece]:
+    """The shard's ranges of one tensor as pieces spanning at most ``piece_bytes`` each."""
+    size = placed.record.dtype.itemsize
+    # Split at element boundaries so a cast converts whole elements.
+    step = max(size, piece_bytes // size * size)
+
+    def piece(start: int, end: int, written: int, rows: int = 1) -> Piece:
+        # `written`: source bytes of the shard before this piece; they fill the destination.
+        dest = placed.dest_offset + written // size * placed.dest_dtype.itemsize
+        return replace(placed, start=start, end=end, dest_offset=dest, rows=rows,
+                       stride=shard.stride if rows > 1 else 0)  # fmt: skip
+
+    n = shard.length
+    if shard.count > 1 and shard.stride <= step:
+        # Row-parallel: whole runs of rows per piece, so a Llama-70B rank plans and copies
+        # thousands of pieces, not a million rows.
+        per = step // shard.stride
+        out = []
+        for first in range(0, shard.count, per):
+            start = shard.start + first * shard.stride
+            out.append(piece(start, start + n, first * n, min(per, shard.count - first)))
+        return out
+    out = []
+    for i in range(shard.count):
+        first = shard.start + i * shard.stride
+        for start in range(first, first + n, step):
+            out.append(piece(start, min(first + n, start + step), i * n + start - first))
+    return out
 
 
 def _host_view(tensor: torch.Tensor) -> memoryview:
@@ -141,8 +176,8 @@ def _group(path: Path, pieces: list[Piece], limit: int) -> list[Chunk]:
     for piece in pieces + [None]:  # type: ignore[list-item]
         if current:
             start = current[0].record.file_offset + current[0].start
-            end = current[-1].record.file_offset + current[-1].end
-            if piece is None or piece.record.file_offset + piece.end - start > limit:
+            end = current[-1].record.file_offset + current[-1].span_end
+            if piece is None or piece.record.file_offset + piece.span_end - start > limit:
                 chunks.append(Chunk(path, start, end, tuple(current)))
                 current = []
         if piece is not None:
@@ -180,8 +215,16 @@ def load_into_buffers(
 
 
 def _dest_view(buffers: list[torch.Tensor], piece: Piece) -> torch.Tensor:
-    n = (piece.end - piece.start) // piece.record.dtype.itemsize * piece.dest_dtype.itemsize
+    n = piece.nbytes // piece.record.dtype.itemsize * piece.dest_dtype.itemsize
     return buffers[piece.allocation][piece.dest_offset : piece.dest_offset + n]
+
+
+def _copy_rows(dest: torch.Tensor, span: torch.Tensor, piece: Piece) -> None:
+    """Gather (and cast) the piece's rows from ``span``, its source bytes, into ``dest``."""
+    size = piece.record.dtype.itemsize
+    row = (piece.end - piece.start) // size
+    rows = span.view(piece.record.dtype).as_strided((piece.rows, row), (piece.stride // size, 1))
+    dest.view(piece.dest_dtype).view(piece.rows, row).copy_(rows, non_blocking=True)
 
 
 class _HostReader:
@@ -196,37 +239,57 @@ class _HostReader:
         for piece in chunk.pieces:
             dest = _dest_view(self._buffers, piece)
             offset = piece.record.file_offset + piece.start
-            if piece.dest_dtype == piece.record.dtype:
+            if piece.rows == 1 and piece.dest_dtype == piece.record.dtype:
                 _pread_into(fd, _host_view(dest), offset, chunk.path)
             else:
-                src = torch.empty(piece.end - piece.start, dtype=torch.uint8)
-                _pread_into(fd, _host_view(src), offset, chunk.path)
-                dest.view(piece.dest_dtype).copy_(src.view(piece.record.dtype))
+                # A cast, or rows with other ranks' bytes between them: through a temporary.
+                span = torch.empty(piece.span_end - piece.start, dtype=torch.uint8)
+                _pread_into(fd, _host_view(span), offset, chunk.path)
+                _copy_rows(dest, span, piece)
 
     def finish(self) -> None:
         pass
 
 
+class _WorkerState:
+    """One loader thread's stream, pinned buffer and (row shards) device staging buffer."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.pinned = torch.empty(0, dtype=torch.uint8).pin_memory()
+        self.staging: torch.Tensor | None = None
+        self.done: torch.cuda.Event | None = None
+
+
 class _DeviceReader:
-    """GPU destination: each worker thread owns a pinned buffer and a stream."""
+    """GPU destination: each worker thread owns a pinned buffer and a stream (and, for
+    row-parallel shards, a device staging buffer the rows are gathered from)."""
 
     def __init__(self, device: torch.device, fds: dict[Path, int], buffers: list[torch.Tensor]):
         self._device = device
         self._fds = fds
         self._buffers = buffers
         self._local = threading.local()
-        self._streams: list[torch.cuda.Stream] = []
+        self._states: list[_WorkerState] = []
         self._lock = threading.Lock()
 
-    def _state(self):
-        local = self._local
-        if not hasattr(local, "stream"):
-            local.stream = torch.cuda.Stream(device=self._device)
-            local.pinned = torch.empty(0, dtype=torch.uint8).pin_memory()
-            local.done = None
+    def _state(self) -> _WorkerState:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _WorkerState(torch.cuda.Stream(device=self._device))
             with self._lock:
-                self._streams.append(local.stream)
-        return local
+                self._states.append(state)  # finish() syncs every worker's stream
+        return state
+
+    def _staged(self, state: _WorkerState, host: torch.Tensor) -> torch.Tensor:
+        """``host`` copied to this worker's device staging buffer (on its stream)."""
+        size = host.numel()
+        if state.staging is None or state.staging.numel() < size:
+            # Allocated on the worker's stream: only its own later copies reuse the block.
+            state.staging = torch.empty(size, dtype=torch.uint8, device=self._device)
+        staged = state.staging[:size]
+        staged.copy_(host, non_blocking=True)
+        return staged
 
     def read(self, chunk: Chunk) -> None:
         state = self._state()
@@ -240,9 +303,12 @@ class _DeviceReader:
         with torch.cuda.device(self._device), torch.cuda.stream(state.stream):
             for piece in chunk.pieces:
                 at = piece.record.file_offset + piece.start - chunk.file_start
-                src = host[at : at + piece.end - piece.start]
+                src = host[at : at + piece.span_end - piece.start]
                 dest = _dest_view(self._buffers, piece)
-                if piece.dest_dtype == piece.record.dtype:
+                if piece.rows > 1:
+                    # One host-to-device copy of the span, then a strided gather on the GPU.
+                    _copy_rows(dest, self._staged(state, src), piece)
+                elif piece.dest_dtype == piece.record.dtype:
                     dest.copy_(src, non_blocking=True)
                 else:
                     dest.view(piece.dest_dtype).copy_(
@@ -252,5 +318,10 @@ class _DeviceReader:
             state.done.record(state.stream)
 
     def finish(self) -> None:
-        for stream in self._streams:
-            stream.synchronize()
+        staged = False
+        for state in self._states:
+            state.stream.synchronize()
+            staged |= state.staging is not None
+            state.staging = None
+        if staged:
+            torch.cuda.empty_cache()  # the staging buffers' memory goes back to the driver
