@@ -120,6 +120,8 @@ class SocketServer:
         status: Callable[[], object],
     ) -> None:
         self._listener = listener
+        # Set here, not in serve_forever: stop() may close the listener before that runs.
+        self._listener.settimeout(0.2)
         self._policy = policy
         self._limits = limits
         self._resident = resident
@@ -131,7 +133,6 @@ class SocketServer:
         self.counters = ServerCounters()
 
     def serve_forever(self) -> None:
-        self._listener.settimeout(0.2)
         while not self._stopping.is_set():
             try:
                 conn, _ = self._listener.accept()
