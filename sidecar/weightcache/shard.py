@@ -7,11 +7,12 @@ destination order, so the loader reads exactly the rank's bytes straight into
 place:
 
 - split along dim 0 (column / vocab parallel): one contiguous range, the
-  rank's block of rows; the loader reads it like a whole tensor;
+  rank's block of rows; the loader reads it like a whole tensor, straight
+  into place;
 - split along dim ``d > 0`` (row parallel, dim 1 of ``[out, in]``): one range
-  per index of the leading dims (one per row of a matrix). Each is read into
-  its place in the destination, so nothing is copied twice either; the cost is
-  one read (host) or one host-to-device copy (GPU) per row.
+  per index of the leading dims (one per row of a matrix), evenly spaced, so
+  a shard is described by (start, length, count, stride), not a list: a
+  Llama-70B rank has over a million such rows.
 
 Pure: no I/O, no torch. Engines compute the same :class:`ShardSpec`, so a
 daemon serving another rank's (or plan's) shard is refused by the fingerprint.
@@ -55,16 +56,27 @@ class _Tensor(Protocol):
 
 @dataclass(frozen=True)
 class TensorShard:
-    """One tensor as a rank holds it."""
+    """One tensor as a rank holds it: ``count`` source byte ranges of ``length`` bytes, the
+    first at ``start``, each ``stride`` after the previous, filling the destination in order.
+    """
 
     name: str
     dim: int | None  # the split dimension; None: the whole tensor
     shape: tuple[int, ...]  # rank-local shape
-    ranges: tuple[tuple[int, int], ...]  # [start, end) source bytes, in destination order
+    start: int
+    length: int
+    count: int = 1
+    stride: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(end - start for start, end in self.ranges)
+        return self.length * self.count
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """[start, end) of every range (a list as long as ``count``: for tests and tools)."""
+        first = (self.start + i * self.stride for i in range(self.count))
+        return [(a, a + self.length) for a in first]
 
 
 def check_spec(spec: ShardSpec) -> None:
@@ -98,7 +110,7 @@ def shard_tensor(
 ) -> TensorShard:
     """Rank ``tp_rank``'s slice of a row-major tensor split in ``tp_size`` along ``dim``."""
     if dim is None or tp_size == 1:
-        return TensorShard(name, None, shape, ((0, nbytes),))
+        return TensorShard(name, None, shape, 0, nbytes)
     if dim >= len(shape):
         raise ShardError(
             f"tensor {name!r} of shape {list(shape)} has no dim {dim} to split for tensor "
@@ -112,19 +124,16 @@ def shard_tensor(
     local = shape[dim] // tp_size
     numel = math.prod(shape)
     itemsize = nbytes // numel if numel else 0
-    # Bytes of one index along `dim`, and of one index of the dims before it.
+    # Bytes of one index along `dim`; of one index of the dims before it; of the rank's block.
     inner = math.prod(shape[dim + 1 :]) * itemsize
     outer = shape[dim] * inner
     block = local * inner
-    first = tp_rank * block
     leading = math.prod(shape[:dim])
-    if block == 0:
-        ranges: tuple[tuple[int, int], ...] = ((0, 0),)
-    elif dim == 0:
-        ranges = ((first, first + block),)
-    else:
-        ranges = tuple((i * outer + first, i * outer + first + block) for i in range(leading))
-    return TensorShard(name, dim, (*shape[:dim], local, *shape[dim + 1 :]), ranges)
+    local_shape = (*shape[:dim], local, *shape[dim + 1 :])
+    if block == 0 or leading == 0:
+        return TensorShard(name, dim, local_shape, 0, 0)
+    # Consecutive indices of the leading dims are `outer` apart: one range per row of them.
+    return TensorShard(name, dim, local_shape, tp_rank * block, block, leading, outer)
 
 
 def plan_shards(tensors: Iterable[_Tensor], spec: ShardSpec) -> dict[str, TensorShard]:

@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.client import ConfigMismatch, attach, daemon_status
+from weightcache.daemon.loader import load_into_buffers, tensor_specs_for
 from weightcache.daemon.resident import load_from_disk
 from weightcache.devices import gpu_uuid
+from weightcache.layout import build_views, plan_layout
 from weightcache.protocol import ShardSpec
 from weightcache.shard import split_dim
 
@@ -127,3 +129,29 @@ def test_each_rank_reports_its_shards_bytes_as_the_driver_sees_them(llama_dir, r
             f"rank {rank}: {status.preloaded_weights_bytes} bytes resident "
             f"(shard {shard_bytes}, whole model {whole}); driver saw {used}"
         )
+
+
+@pytest.mark.parametrize("piece_bytes", [1000, 4096, 64 * MiB])
+def test_the_gpu_loader_reads_each_rank_in_any_piece_size_and_casts(llama_dir, piece_bytes):
+    """1000: rows split in pieces; 4096: runs of rows gathered on the GPU; 64 MiB: whole."""
+    checkpoint = read_checkpoint(llama_dir)
+    reference = load_file(llama_dir / "model.safetensors", device="cuda:0")
+    for cast in (None, torch.float32):
+        views = []
+        for rank in range(TP):
+            layout = plan_layout(tensor_specs_for(checkpoint, cast, _spec(rank)))
+            buffers = [
+                torch.zeros(n, dtype=torch.uint8, device=CUDA) for n in layout.allocation_sizes
+            ]
+            load_into_buffers(
+                checkpoint, layout, buffers, cast, workers=4, piece_bytes=piece_bytes,
+                shard=_spec(rank),
+            )  # fmt: skip
+            views.append(build_views(buffers, layout))
+        for name, original in reference.items():
+            expected = original.to(cast) if cast is not None else original
+            dim = split_dim(PLAN, name)
+            shards = [v[name] for v in views]
+            whole = shards[0] if dim is None else torch.cat(shards, dim=dim)
+            assert whole.dtype == expected.dtype
+            assert torch.equal(whole, expected), (name, cast)

@@ -104,9 +104,9 @@ def test_ranges_give_exactly_torch_chunk_for_any_shape(tp_size, data):
 def test_dim_0_is_one_contiguous_range_and_dim_1_one_range_per_row():
     rows, cols = 6, 8
     column = shard_tensor("q", (rows, cols), rows * cols * 2, 0, 2, 1)
-    assert column.ranges == ((rows // 2 * cols * 2, rows * cols * 2),)
+    assert column.ranges == [(rows // 2 * cols * 2, rows * cols * 2)]
     row = shard_tensor("o", (rows, cols), rows * cols * 2, 1, 2, 1)
-    assert row.ranges == tuple((r * cols * 2 + 8, r * cols * 2 + 16) for r in range(rows))
+    assert row.ranges == [(r * cols * 2 + 8, r * cols * 2 + 16) for r in range(rows)]
     assert row.shape == (rows, cols // 2)
 
 
@@ -146,7 +146,7 @@ def test_plan_shards_gives_every_tensor_its_rank_local_shape_in_order():
         "lm_head.weight": (16, 8),
     }
     assert shards["model.norm.weight"].dim is None
-    assert shards["model.norm.weight"].ranges == ((0, 16),)
+    assert shards["model.norm.weight"].ranges == [(0, 16)]
 
 
 def test_plan_shards_refuses_the_first_tensor_that_does_not_split():
@@ -157,7 +157,7 @@ def test_plan_shards_refuses_the_first_tensor_that_does_not_split():
 
 def test_without_tp_every_tensor_is_whole():
     shards = plan_shards(LLAMA, ShardSpec())
-    assert all(s.ranges == ((0, t.nbytes),) and s.shape == t.shape
+    assert all(s.ranges == [(0, t.nbytes)] and s.shape == t.shape
                for s, t in zip(shards.values(), LLAMA, strict=True))  # fmt: skip
 
 

@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 from tests.unit.wc_harness import DaemonFactory, DaemonProcess, wait_until
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.client import ConfigMismatch, attach
-from weightcache.daemon.loader import load_into_buffers, tensor_specs_for
+from weightcache.daemon.loader import load_into_buffers, plan_chunks, tensor_specs_for
 from weightcache.daemon.resident import load_from_disk
 from weightcache.layout import build_views, plan_layout
 from weightcache.protocol import ShardSpec
-from weightcache.shard import split_dim
+from weightcache.shard import plan_shards, split_dim
 
 TP = 2
 PLAN = "llama"
@@ -162,8 +162,39 @@ def test_tp_size_without_a_plan_is_a_usage_error(daemons: DaemonFactory, llama_d
     assert "tp_size 2 needs a shard plan" in daemon.log()
 
 
-def test_the_loader_reads_each_rank_in_small_pieces_and_casts(llama_dir, reference) -> None:
-    """Pieces smaller than a row (and chunks spanning other ranks' bytes) on both ranks."""
+@pytest.mark.parametrize("piece_bytes", [100, 1000, 1 << 20])
+def test_the_plan_reads_exactly_each_ranks_ranges_in_bounded_chunks(llama_dir, piece_bytes):
+    """100: pieces smaller than a row; 1000: runs of 3 rows; 1 MiB: a whole shard per piece."""
+    checkpoint = read_checkpoint(llama_dir)
+    for rank in range(TP):
+        layout = plan_layout(tensor_specs_for(checkpoint, None, _spec(rank)))
+        chunks = plan_chunks(checkpoint, layout, None, piece_bytes, _spec(rank))
+        read: dict[str, list[tuple[int, int]]] = {}
+        for chunk in chunks:
+            spans = [p.span_end - p.start for p in chunk.pieces]
+            assert chunk.file_end - chunk.file_start <= max(piece_bytes, *spans)
+            for p in chunk.pieces:
+                assert chunk.file_start <= p.record.file_offset + p.start
+                assert p.record.file_offset + p.span_end <= chunk.file_end
+                rows = [(p.start + i * p.stride, p.end + i * p.stride) for i in range(p.rows)]
+                read.setdefault(p.record.name, []).extend(rows)
+        shards = plan_shards(checkpoint.tensors, _spec(rank))
+        for name, shard in shards.items():
+            merged: list[tuple[int, int]] = []
+            for a, b in read[name]:  # pieces split ranges; join them back in order
+                if merged and merged[-1][1] == a:
+                    merged[-1] = (merged[-1][0], b)
+                else:
+                    merged.append((a, b))
+            assert merged == shard.ranges, name
+    assert any(p.rows > 1 for c in chunks for p in c.pieces) == (piece_bytes > 100)
+
+
+@pytest.mark.parametrize("piece_bytes", [100, 1000, 1 << 20])
+def test_the_loader_reads_each_rank_in_any_piece_size_and_casts(
+    llama_dir, reference, piece_bytes
+) -> None:
+    """Pieces smaller than a row, runs of rows, and chunks spanning other ranks' bytes."""
     checkpoint = read_checkpoint(llama_dir)
     for cast in (None, torch.bfloat16):
         views = []
@@ -172,7 +203,13 @@ def test_the_loader_reads_each_rank_in_small_pieces_and_casts(llama_dir, referen
             layout = plan_layout(specs)
             buffers = [torch.zeros(n, dtype=torch.uint8) for n in layout.allocation_sizes]
             load_into_buffers(
-                checkpoint, layout, buffers, cast, workers=3, piece_bytes=100, shard=_spec(rank)
+                checkpoint,
+                layout,
+                buffers,
+                cast,
+                workers=3,
+                piece_bytes=piece_bytes,
+                shard=_spec(rank),
             )
             views.append(build_views(buffers, layout))
         for name, original in reference.items():
