@@ -145,6 +145,28 @@ def test_each_rank_reports_the_bytes_of_its_own_shard(rank_daemons, llama_dir, r
             attached.close()
 
 
+def test_a_restarted_rank_daemon_readopts_its_shard_from_the_ranks_engine(
+    daemons: DaemonFactory, llama_dir, reference
+) -> None:
+    daemon = daemons(llama_dir, *_rank_args(1), "--transport", "memfd")
+    engine = attach(daemon.socket, _config(llama_dir, 1), transports=["memfd"])
+    try:
+        daemon.kill()
+        status = daemon.start().status()  # the successor, on the same socket
+        assert status.readopted and status.load_source == "readopted", status.load_reason
+        assert status.fingerprint == engine.fingerprint
+        again = attach(daemon.socket, _config(llama_dir, 1), transports=["memfd"])
+        try:
+            for name, original in reference.items():
+                dim = split_dim(PLAN, name)
+                expected = original if dim is None else torch.chunk(original, TP, dim)[1]
+                assert torch.equal(again.tensors[name], expected), name
+        finally:
+            again.close()
+    finally:
+        engine.close()
+
+
 def test_a_split_dim_not_divisible_by_tp_size_fails_the_load_naming_the_tensor(
     daemons: DaemonFactory, llama_dir
 ) -> None:
