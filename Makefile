@@ -20,6 +20,10 @@ $(VENV_STAMP): pyproject.toml
 demo: venv
 	$(PY) examples/demo.py
 
+# The Kubernetes demo: local control plane, helm install, gated engine rollout.
+demo-k8s: testenv
+	$(PY) -m tools.demo_k8s
+
 # The local Kubernetes control plane (built from Go modules, cached outside the repo).
 testenv: venv
 	$(PY) -m tools.testenv build

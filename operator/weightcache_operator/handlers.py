@@ -11,6 +11,7 @@ that reads the freshest index.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -24,6 +25,15 @@ from . import aggregate, gate, metrics, names, nodes, render, views
 from .kube import Kube, api_client
 from .locks import KeyedLocks
 from .spec import SpecError, WeightCacheSpec, parse_spec, spec_hash
+
+
+def api_message(exc: ApiException) -> str:
+    """The apiserver's own explanation (e.g. which RBAC verb was missing), if it sent one."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return exc.body or ""
+
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +59,27 @@ class State:
     @classmethod
     def of(cls, kwargs: dict[str, Any]) -> State:
         return cls(
-            kwargs["wc_caches"], kwargs["wc_daemonsets"], kwargs["wc_daemon_pods"],
-            kwargs["wc_engine_pods"], kwargs["wc_nodes"],
+            kwargs["wc_caches"],
+            kwargs["wc_daemonsets"],
+            kwargs["wc_daemon_pods"],
+            kwargs["wc_engine_pods"],
+            kwargs["wc_nodes"],
         )
 
     def cache(self, namespace: str, name: str) -> views.CacheView | None:
         return next((c for c in self.caches.get(namespace, []) if c.name == name), None)
 
-    def live_caches(self, namespace: str | None = None, exclude: str | None = None
-                    ) -> list[views.CacheView]:
+    def live_caches(
+        self, namespace: str | None = None, exclude: str | None = None
+    ) -> list[views.CacheView]:
         spaces = [namespace] if namespace is not None else list(self.caches)
         return sorted(
-            (c for ns in spaces for c in self.caches.get(ns, [])
-             if not c.deleting and c.uid != exclude),
+            (
+                c
+                for ns in spaces
+                for c in self.caches.get(ns, [])
+                if not c.deleting and c.uid != exclude
+            ),
             key=lambda c: (c.namespace, c.name),
         )
 
@@ -84,15 +102,17 @@ def wc_caches(body: kopf.Body, namespace: str, **_: Any) -> dict[str, views.Cach
 
 
 @kopf.index("apps", "v1", "daemonsets", labels=DAEMON_LABELS)
-def wc_daemonsets(body: kopf.Body, namespace: str, **_: Any
-                  ) -> dict[tuple[str, str], views.DaemonSetView]:
+def wc_daemonsets(
+    body: kopf.Body, namespace: str, **_: Any
+) -> dict[tuple[str, str], views.DaemonSetView]:
     view = views.daemonset_view(body)
     return {(namespace, view.cache): view}
 
 
 @kopf.index("v1", "pods", labels=DAEMON_LABELS)
-def wc_daemon_pods(body: kopf.Body, namespace: str, **_: Any
-                   ) -> dict[tuple[str, str], views.DaemonPodView]:
+def wc_daemon_pods(
+    body: kopf.Body, namespace: str, **_: Any
+) -> dict[tuple[str, str], views.DaemonPodView]:
     view = views.daemon_pod_view(body)
     return {(namespace, view.cache): view}
 
@@ -144,16 +164,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.resume(*CACHES)
 @kopf.on.create(*CACHES)
 @kopf.on.update(*CACHES)
-async def apply_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
-                      **kwargs: Any) -> None:
+async def apply_cache(
+    body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
     state = State.of(kwargs)
     await apply_daemonset(state, memo, views.cache_view(body))
     await reconcile_cache(state, memo, namespace, name)
 
 
 @kopf.timer(*CACHES, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
-                       **kwargs: Any) -> None:
+async def resync_cache(
+    body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
     state = State.of(kwargs)
     await apply_daemonset(state, memo, views.cache_view(body))
     await reconcile_cache(state, memo, namespace, name)
@@ -161,15 +183,17 @@ async def resync_cache(body: kopf.Body, namespace: str, name: str, memo: kopf.Me
 
 
 @kopf.on.delete(*CACHES)
-async def cleanup_cache(namespace: str, name: str, uid: str, memo: kopf.Memo,
-                        **kwargs: Any) -> None:
+async def cleanup_cache(
+    namespace: str, name: str, uid: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """Finalizer: drop node labels and close gates before the cache goes.
 
     The DaemonSet is left to the garbage collector through its owner reference.
     """
     state = State.of(kwargs)
-    for node in sorted(n.name for ns in state.nodes for n in state.nodes[ns]
-                       if name in n.ready_caches):
+    for node in sorted(
+        n.name for ns in state.nodes for n in state.nodes[ns] if name in n.ready_caches
+    ):
         await reconcile_node_label(state, memo, node, name, exclude=uid)
     for pod in list(state.engine_pods.get(namespace, [])):
         await reconcile_engine_pod(state, memo, namespace, pod.name, exclude=uid)
@@ -178,8 +202,9 @@ async def cleanup_cache(namespace: str, name: str, uid: str, memo: kopf.Memo,
 
 
 @kopf.on.event("apps", "v1", "daemonsets", labels=DAEMON_LABELS)
-async def daemonset_event(event: kopf.RawEvent, namespace: str, labels: kopf.Labels,
-                          memo: kopf.Memo, **kwargs: Any) -> None:
+async def daemonset_event(
+    event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
+) -> None:
     state = State.of(kwargs)
     cache_name = labels.get(names.CACHE_LABEL, "")
     cache = state.cache(namespace, cache_name)
@@ -189,14 +214,16 @@ async def daemonset_event(event: kopf.RawEvent, namespace: str, labels: kopf.Lab
 
 
 @kopf.on.event("v1", "pods", labels=DAEMON_LABELS)
-async def daemon_pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo,
-                           **kwargs: Any) -> None:
+async def daemon_pod_event(
+    namespace: str, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
+) -> None:
     await reconcile_cache(State.of(kwargs), memo, namespace, labels.get(names.CACHE_LABEL, ""))
 
 
 @kopf.on.event("v1", "pods", when=lambda body, **_: views.has_gate(body))
-async def engine_pod_event(event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo,
-                           **kwargs: Any) -> None:
+async def engine_pod_event(
+    event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
     if event["type"] != "DELETED":
         await reconcile_engine_pod(State.of(kwargs), memo, namespace, name)
 
@@ -228,14 +255,16 @@ def _ref(cache: views.CacheView) -> render.CacheRef:
 
 def _cache_body(cache: views.CacheView) -> dict[str, Any]:
     return {
-        "apiVersion": names.API_VERSION, "kind": names.KIND,
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
         "metadata": {"name": cache.name, "namespace": cache.namespace, "uid": cache.uid},
     }
 
 
 def _pod_body(pod: views.EnginePodView) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid},
     }
 
@@ -271,10 +300,14 @@ async def apply_daemonset(state: State, memo: kopf.Memo, cache: views.CacheView)
         await memo.kube.apply_daemonset(manifest)
     except ApiException as exc:
         metrics.ERRORS.labels("daemonset").inc()
-        message = f"applying DaemonSet: {exc.status} {exc.reason}"
+        message = f"applying DaemonSet: {exc.status} {exc.reason}: {api_message(exc)}"
         raise kopf.TemporaryError(message, delay=5) from exc
-    log.info("applied DaemonSet %s/%s for generation %d", cache.namespace,
-             manifest["metadata"]["name"], cache.generation)
+    log.info(
+        "applied DaemonSet %s/%s for generation %d",
+        cache.namespace,
+        manifest["metadata"]["name"],
+        cache.generation,
+    )
 
 
 async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: str) -> None:
@@ -294,14 +327,18 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
             try:
                 render.render_daemonset(_ref(cache), spec, digest, memo.sidecar_image)
             except render.RenderError as exc:
-                result = aggregate.error_status(cache.generation, old, aggregate.RENDER_FAILED,
-                                                str(exc), now)
+                result = aggregate.error_status(
+                    cache.generation, old, aggregate.RENDER_FAILED, str(exc), now
+                )
             else:
                 result = aggregate.build_status(
-                    spec=spec, spec_hash=digest, generation=cache.generation,
+                    spec=spec,
+                    spec_hash=digest,
+                    generation=cache.generation,
                     old_status=old,
                     daemonset=state.daemonset(namespace, name),
-                    pods=state.daemon_pods.get((namespace, name), []), now=now,
+                    pods=state.daemon_pods.get((namespace, name), []),
+                    now=now,
                 )
         # Write when either what we wrote or what is stored differs: the
         # first catches lag in the index, the second edits by others.
@@ -315,10 +352,13 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
                 raise
             memo.statuses[cache.uid] = result.status
             for event in result.events:
-                kopf.event(_cache_body(cache), type=event.type, reason=event.reason,
-                           message=event.message)
+                kopf.event(
+                    _cache_body(cache), type=event.type, reason=event.reason, message=event.message
+                )
         metrics.set_cache(
-            namespace, name, ready=result.status.get("readyNodes", 0),
+            namespace,
+            name,
+            ready=result.status.get("readyNodes", 0),
             desired=result.status.get("desiredNodes", 0),
             resident=result.status.get("residentBytes", 0),
         )
@@ -331,8 +371,9 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
         await reconcile_engine_pod(state, memo, namespace, pod.name)
 
 
-async def reconcile_engine_pod(state: State, memo: kopf.Memo, namespace: str, name: str,
-                               exclude: str | None = None) -> None:
+async def reconcile_engine_pod(
+    state: State, memo: kopf.Memo, namespace: str, name: str, exclude: str | None = None
+) -> None:
     """Write the pod's gate condition if the decision differs from what it says."""
     async with memo.locks.get(("pod", namespace, name)):
         pod = state.engine_pod(namespace, name)
@@ -346,15 +387,18 @@ async def reconcile_engine_pod(state: State, memo: kopf.Memo, namespace: str, na
             if selector is None or not selector.matches(pod.labels):
                 continue
             verdicts[cache.name] = (
-                _verdict(memo, state, cache, pod.node) if pod.node
+                _verdict(memo, state, cache, pod.node)
+                if pod.node
                 else gate.Verdict(False, gate.POD_NOT_SCHEDULED, "")
             )
         decision = gate.gate_condition(pod.node, verdicts)
         if pod.gate == decision:
             return
         cond: dict[str, Any] = {
-            "type": names.GATE_CONDITION, "status": decision.status,
-            "reason": decision.reason, "message": decision.message,
+            "type": names.GATE_CONDITION,
+            "status": decision.status,
+            "reason": decision.reason,
+            "message": decision.message,
         }
         if pod.gate is None or pod.gate.status != decision.status:
             cond["lastTransitionTime"] = _now()
@@ -366,14 +410,21 @@ async def reconcile_engine_pod(state: State, memo: kopf.Memo, namespace: str, na
             metrics.ERRORS.labels("engine_pod").inc()
             raise
         metrics.GATE_DECISIONS.labels(decision.status, decision.reason).inc()
-        if pod.gate is None or (pod.gate.status, pod.gate.reason) != (decision.status,
-                                                                      decision.reason):
-            kopf.event(_pod_body(pod), type="Normal" if decision.status == "True" else "Warning",
-                       reason=decision.reason, message=decision.message)
+        if pod.gate is None or (pod.gate.status, pod.gate.reason) != (
+            decision.status,
+            decision.reason,
+        ):
+            kopf.event(
+                _pod_body(pod),
+                type="Normal" if decision.status == "True" else "Warning",
+                reason=decision.reason,
+                message=decision.message,
+            )
 
 
-async def reconcile_node_label(state: State, memo: kopf.Memo, node: str, cache_name: str,
-                               exclude: str | None = None) -> None:
+async def reconcile_node_label(
+    state: State, memo: kopf.Memo, node: str, cache_name: str, exclude: str | None = None
+) -> None:
     """Label `weightcache.dev/<cache_name>=Ready` iff a cache of that name is verified on `node`."""
     if not nodes.labelable(cache_name):
         return
@@ -384,7 +435,8 @@ async def reconcile_node_label(state: State, memo: kopf.Memo, node: str, cache_n
         metrics.RECONCILES.labels("node").inc()
         ready = any(
             _verdict(memo, state, cache, node).ok
-            for cache in state.live_caches(exclude=exclude) if cache.name == cache_name
+            for cache in state.live_caches(exclude=exclude)
+            if cache.name == cache_name
         )
         written = memo.node_labels.get(node, view.ready_caches)
         patch = nodes.label_change(cache_name, ready, [view.ready_caches, written])

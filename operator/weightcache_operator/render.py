@@ -164,13 +164,19 @@ def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[
     return {
         "name": "socket-dir",
         "image": image,
-        **({"imagePullPolicy": spec.sidecar.image_pull_policy}
-           if spec.sidecar.image_pull_policy else {}),
+        **(
+            {"imagePullPolicy": spec.sidecar.image_pull_policy}
+            if spec.sidecar.image_pull_policy
+            else {}
+        ),
         "command": [
-            "python3", "-c",
+            "python3",
+            "-c",
             "import os, sys; d = sys.argv[1]; os.chmod(d, 0o750); "
             "os.chown(d, int(sys.argv[2]), int(sys.argv[3]))",
-            mount, str(spec.sidecar.run_as_user), str(spec.sidecar.run_as_group),
+            mount,
+            str(spec.sidecar.run_as_user),
+            str(spec.sidecar.run_as_group),
         ],
         "securityContext": {
             **_hardened(),
@@ -179,8 +185,10 @@ def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[
             "runAsGroup": 0,
             "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
         },
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
-                      "limits": {"cpu": "100m", "memory": "64Mi"}},
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "32Mi"},
+            "limits": {"cpu": "100m", "memory": "64Mi"},
+        },
         "volumeMounts": [{"name": "sockets", "mountPath": mount}],
     }
 
@@ -199,15 +207,22 @@ def _daemon_container(
         device = f"cuda:{slot}"
     args = [
         "serve",
-        "--model", CONTAINER_MODEL_DIR,
-        "--device", device,
-        "--socket-dir", CONTAINER_SOCKET_ROOT,
-        "--cache", f"{cache.namespace}.{cache.name}",
-        "--transport", spec.transport,
+        "--model",
+        CONTAINER_MODEL_DIR,
+        "--device",
+        device,
+        "--socket-dir",
+        CONTAINER_SOCKET_ROOT,
+        "--cache",
+        f"{cache.namespace}.{cache.name}",
+        "--transport",
+        spec.transport,
         # The kubelet probes the pod IP, so listen on all interfaces.
-        "--http-address", f"0.0.0.0:{port}",
+        "--http-address",
+        f"0.0.0.0:{port}",
         # Engines run with the cache's group as their primary group.
-        "--allow-gid", str(spec.sidecar.run_as_group),
+        "--allow-gid",
+        str(spec.sidecar.run_as_group),
     ]
     for uid in spec.sidecar.peer_uids:
         args += ["--allow-uid", str(uid)]
@@ -219,6 +234,8 @@ def _daemon_container(
         args += ["--dtype", spec.model.dtype]
     if not cpu:
         args += ["--tp-size", str(spec.gpus.tp_size), "--tp-rank", str(slot % spec.gpus.tp_size)]
+        if spec.gpus.shard_plan:
+            args += ["--shard-plan", spec.gpus.shard_plan]
 
     env: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),

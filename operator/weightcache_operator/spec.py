@@ -17,6 +17,7 @@ from typing import Any
 
 TRANSPORTS = ("auto", "vmm_fd", "torch_ipc", "memfd")
 DEVICES = ("cuda", "cpu")
+SHARD_PLANS = ("llama",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 GPU_ACCESS_MODES = ("visible-devices", "device-plugin", "dra")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -66,6 +67,8 @@ class ModelSpec:
 class GpuSpec:
     per_node: int = 1
     tp_size: int = 1
+    # How each rank's shard is cut from the checkpoint (weightcache.shard); tp_size > 1 only.
+    shard_plan: str | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,9 @@ def spec_hash(spec: WeightCacheSpec) -> str:
             "dtype": m.dtype,
         },
         "device": spec.device,
-        "gpus": {"perNode": spec.gpus.per_node, "tpSize": spec.gpus.tp_size},
+        # shardPlan only when set, so caches without one keep their hash.
+        "gpus": {"perNode": spec.gpus.per_node, "tpSize": spec.gpus.tp_size}
+        | ({"shardPlan": spec.gpus.shard_plan} if spec.gpus.shard_plan else {}),
         "transport": spec.transport,
     }
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -218,8 +223,9 @@ def _child(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]
     return _obj(parent.get(key), f"{where}.{key}")
 
 
-def _str(parent: Mapping[str, Any], key: str, where: str, default: str | None = None,
-         max_len: int = 4096) -> str | None:
+def _str(
+    parent: Mapping[str, Any], key: str, where: str, default: str | None = None, max_len: int = 4096
+) -> str | None:
     value = parent.get(key, default)
     if value is None:
         return None
@@ -230,16 +236,23 @@ def _str(parent: Mapping[str, Any], key: str, where: str, default: str | None = 
     return value
 
 
-def _enum(parent: Mapping[str, Any], key: str, where: str, allowed: tuple[str, ...],
-          default: str) -> str:
+def _enum(
+    parent: Mapping[str, Any], key: str, where: str, allowed: tuple[str, ...], default: str
+) -> str:
     value = parent.get(key, default)
     if value not in allowed:
         raise SpecError(f"{where}.{key}: must be one of {', '.join(allowed)}; got {value!r}")
     return value
 
 
-def _int(parent: Mapping[str, Any], key: str, where: str, default: int | None,
-         lo: int, hi: int | None = None) -> int | None:
+def _int(
+    parent: Mapping[str, Any],
+    key: str,
+    where: str,
+    default: int | None,
+    lo: int,
+    hi: int | None = None,
+) -> int | None:
     value = parent.get(key, default)
     if value is None:
         return None
@@ -251,8 +264,9 @@ def _int(parent: Mapping[str, Any], key: str, where: str, default: int | None,
     return value
 
 
-def _path(parent: Mapping[str, Any], key: str, where: str, default: str | None,
-          pattern: re.Pattern[str]) -> str | None:
+def _path(
+    parent: Mapping[str, Any], key: str, where: str, default: str | None, pattern: re.Pattern[str]
+) -> str | None:
     value = _str(parent, key, where, default)
     if value is None:
         return None
@@ -262,8 +276,13 @@ def _path(parent: Mapping[str, Any], key: str, where: str, default: str | None,
     return value
 
 
-def _name(parent: Mapping[str, Any], key: str, where: str, default: str | None = None,
-          pattern: re.Pattern[str] = DNS_SUBDOMAIN_RE) -> str | None:
+def _name(
+    parent: Mapping[str, Any],
+    key: str,
+    where: str,
+    default: str | None = None,
+    pattern: re.Pattern[str] = DNS_SUBDOMAIN_RE,
+) -> str | None:
     value = _str(parent, key, where, default, max_len=253)
     if value is not None and not pattern.match(value):
         raise SpecError(f"{where}.{key}: {value!r} is not a valid Kubernetes name")
@@ -301,7 +320,13 @@ def _gpus(spec: Mapping[str, Any]) -> GpuSpec:
         raise SpecError(
             f"spec.gpus.perNode: {per_node} is not a multiple of spec.gpus.tpSize {tp_size}"
         )
-    return GpuSpec(per_node, tp_size)
+    plan = gpus.get("shardPlan")
+    if plan is not None and plan not in SHARD_PLANS:
+        allowed = ", ".join(SHARD_PLANS)
+        raise SpecError(f"spec.gpus.shardPlan: must be one of {allowed}; got {plan!r}")
+    if tp_size > 1 and plan is None:
+        raise SpecError("spec.gpus.shardPlan: required when spec.gpus.tpSize > 1")
+    return GpuSpec(per_node, tp_size, plan)
 
 
 def _gpu_access(spec: Mapping[str, Any]) -> GpuAccess:
@@ -385,8 +410,10 @@ def _sidecar(spec: Mapping[str, Any]) -> SidecarSpec:
 
 def _ids(parent: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
     values = parent.get(key) or []
-    if not isinstance(values, list) or len(values) > MAX_PEER_IDS or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+    if (
+        not isinstance(values, list)
+        or len(values) > MAX_PEER_IDS
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
     ):
         raise SpecError(
             f"{where}.{key}: must be a list of at most {MAX_PEER_IDS} non-negative integers"
@@ -426,8 +453,10 @@ def _engine(spec: Mapping[str, Any]) -> EngineSpec:
     engine = _child(spec, "engine", "spec")
     where = "spec.engine"
     tolerance = engine.get("byteTolerance", DEFAULT_BYTE_TOLERANCE)
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
-        0 <= tolerance < 1
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not (0 <= tolerance < 1)
     ):
         raise SpecError(f"{where}.byteTolerance: must be a number in [0, 1), got {tolerance!r}")
     selector = engine.get("selector")

@@ -303,6 +303,11 @@ def _checked_reply(
 
 def _load_from_disk(model_dir: Path, config: CacheConfig | None) -> AttachedWeights:
     """The no-daemon path: a plain safetensors load (costs the engine its own memory)."""
+    if config is not None and config.shard.tp_size > 1:
+        raise RuntimeError(
+            f"no daemon at the socket and the disk fallback loads whole tensors; it cannot "
+            f"serve TP rank {config.shard.tp_rank} of {config.shard.tp_size}"
+        )
     from safetensors.torch import load_file
 
     from weightcache.checkpoint import cache_config, checkpoint_files, read_checkpoint

@@ -81,7 +81,7 @@ def apiserver_args(certs: pki.Pki, ports: Ports, cert_dir: Path) -> list[str]:
         f"--tls-private-key-file={certs.apiserver.key}",
         f"--client-ca-file={certs.ca.cert}",
         "--authorization-mode=RBAC",
-        "--enable-admission-plugins=NodeRestriction",
+        "--enable-admission-plugins=NodeRestriction,OwnerReferencesPermissionEnforcement",
         f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
         f"--service-account-key-file={certs.service_account_pub}",
         f"--service-account-signing-key-file={certs.service_account_key}",

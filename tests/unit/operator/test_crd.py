@@ -92,8 +92,13 @@ def test_status_phases_cover_the_aggregator(schema: dict[str, Any]) -> None:
 
     phases = schema["properties"]["status"]["properties"]["phase"]["enum"]
     assert sorted(phases) == sorted(
-        [aggregate.PHASE_PENDING, aggregate.PHASE_LOADING, aggregate.PHASE_READY,
-         aggregate.PHASE_DEGRADED, aggregate.PHASE_ERROR]
+        [
+            aggregate.PHASE_PENDING,
+            aggregate.PHASE_LOADING,
+            aggregate.PHASE_READY,
+            aggregate.PHASE_DEGRADED,
+            aggregate.PHASE_ERROR,
+        ]
     )
 
 

@@ -31,26 +31,46 @@ def test_ready_daemon_with_matching_fingerprint_and_bytes_opens_the_gate(
         ({"terminating": True}, gate.DAEMON_NOT_READY, "terminating"),
         ({"raw": None}, gate.DAEMON_NOT_READY, "no report yet"),
         ({"raw": "{not json"}, gate.REPORT_MALFORMED, "not JSON"),
-        ({"raw": json.dumps({"v": 1, "specHash": "x", "gpus": {"GPU-0": gpu_entry(
-            preloaded=-5)}})}, gate.REPORT_MALFORMED, "preloadedWeightsBytes"),
+        (
+            {
+                "raw": json.dumps(
+                    {"v": 1, "specHash": "x", "gpus": {"GPU-0": gpu_entry(preloaded=-5)}}
+                )
+            },
+            gate.REPORT_MALFORMED,
+            "preloadedWeightsBytes",
+        ),
         ({"raw": json.dumps({"v": 2, "specHash": "x", "gpus": {}})}, gate.REPORT_MALFORMED, "v"),
         ({"raw": "[]"}, gate.REPORT_MALFORMED, "invalid report"),
         ({"raw": "x" * (65 * 1024)}, gate.REPORT_MALFORMED, "over the"),
-        ({"raw": report("0" * 64, {"GPU-0": gpu_entry(), "GPU-1": gpu_entry()})},
-         gate.FINGERPRINT_MISMATCH, "holds weights for spec 000000000000"),
+        (
+            {"raw": report("0" * 64, {"GPU-0": gpu_entry(), "GPU-1": gpu_entry()})},
+            gate.FINGERPRINT_MISMATCH,
+            "holds weights for spec 000000000000",
+        ),
         ({"gpus": 1}, gate.DAEMON_NOT_READY, "1 of 2 GPUs reported"),
         ({"state": "Loading"}, gate.DAEMON_NOT_READY, "GPU-0 is Loading"),
-        ({"state": "Error", "message": "CUDA OOM"}, gate.DAEMON_NOT_READY,
-         "GPU-0 is Error: CUDA OOM"),
-        ({"preloaded": GIB // 2}, gate.BYTES_BELOW_EXPECTED,
-         f"GPU-0 holds {GIB // 2} bytes, expected {GIB}"),
+        (
+            {"state": "Error", "message": "CUDA OOM"},
+            gate.DAEMON_NOT_READY,
+            "GPU-0 is Error: CUDA OOM",
+        ),
+        (
+            {"preloaded": GIB // 2},
+            gate.BYTES_BELOW_EXPECTED,
+            f"GPU-0 holds {GIB // 2} bytes, expected {GIB}",
+        ),
         ({"ready": False}, gate.DAEMON_NOT_READY, "pod is not Ready (phase Running)"),
         ({"phase": "Pending", "ready": False}, gate.DAEMON_NOT_READY, "phase Pending"),
     ],
 )
 def test_every_reason_the_gate_stays_closed(
-    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod,
-    pod_kwargs: dict, reason: str, detail: str,
+    gpu_spec: WeightCacheSpec,
+    gpu_hash: str,
+    make_pod: MakePod,
+    pod_kwargs: dict,
+    reason: str,
+    detail: str,
 ) -> None:
     verdict = gate.evaluate_node(gpu_spec, gpu_hash, [make_pod(**pod_kwargs)])
     assert not verdict.ok
@@ -74,8 +94,12 @@ def test_bytes_within_tolerance_pass_and_just_below_fail(
 
 
 def test_pinned_expected_bytes_override_the_report(make_pod: MakePod) -> None:
-    raw = {"model": {"path": "/models/m"}, "gpus": {"perNode": 2, "tpSize": 2},
-           "transport": "vmm_fd", "engine": {"expectedBytes": 4 * GIB, "byteTolerance": 0}}
+    raw = {
+        "model": {"path": "/models/m"},
+        "gpus": {"perNode": 2, "tpSize": 2, "shardPlan": "llama"},
+        "transport": "vmm_fd",
+        "engine": {"expectedBytes": 4 * GIB, "byteTolerance": 0},
+    }
     pinned = parse_spec(raw)
     # The hash ignores gate parameters, so the fixture's reports still match.
     digest = spec_hash(pinned)
@@ -85,20 +109,38 @@ def test_pinned_expected_bytes_override_the_report(make_pod: MakePod) -> None:
     assert gate.evaluate_node(pinned, digest, [make_pod(preloaded=4 * GIB, expected=GIB)]).ok
 
 
-def test_fingerprint_mismatch_wins_over_loading(
-    gpu_spec: WeightCacheSpec, gpu_hash: str
-) -> None:
+def test_fingerprint_mismatch_wins_over_loading(gpu_spec: WeightCacheSpec, gpu_hash: str) -> None:
     # A daemon still loading *other* weights will never satisfy this spec.
-    pod = DaemonPodView("ns", "p", "wc", "node-a", "Running", True, False,
-                        report("1" * 64, {"GPU-0": gpu_entry(state="Loading")}), None, "")
+    pod = DaemonPodView(
+        "ns",
+        "p",
+        "wc",
+        "node-a",
+        "Running",
+        True,
+        False,
+        report("1" * 64, {"GPU-0": gpu_entry(state="Loading")}),
+        None,
+        "",
+    )
     assert gate.evaluate_node(gpu_spec, gpu_hash, [pod]).reason == gate.FINGERPRINT_MISMATCH
 
 
 def test_cpu_cache_needs_one_entry() -> None:
     spec = parse_spec({"model": {"path": "/m"}, "device": "cpu"})
     digest = spec_hash(spec)
-    pod = DaemonPodView("ns", "p", "wc", "n", "Running", True, False,
-                        report(digest, {"cpu": gpu_entry(transport="memfd")}), digest, "")
+    pod = DaemonPodView(
+        "ns",
+        "p",
+        "wc",
+        "n",
+        "Running",
+        True,
+        False,
+        report(digest, {"cpu": gpu_entry(transport="memfd")}),
+        digest,
+        "",
+    )
     assert gate.evaluate_node(spec, digest, [pod]).ok
 
 
@@ -117,8 +159,9 @@ def test_during_a_daemon_rollout_either_pod_can_satisfy_the_node(
 def test_pod_of_current_template_explains_a_closed_gate(
     gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
 ) -> None:
-    stale = make_pod("stale", template_hash="9" * 64, created="2026-01-03T00:00:00Z",
-                     raw=report("9" * 64, {}))
+    stale = make_pod(
+        "stale", template_hash="9" * 64, created="2026-01-03T00:00:00Z", raw=report("9" * 64, {})
+    )
     current = make_pod("current", raw=None, created="2026-01-01T00:00:00Z")
     verdict = gate.evaluate_node(gpu_spec, gpu_hash, [stale, current])
     assert (verdict.pod, verdict.reason) == ("current", gate.DAEMON_NOT_READY)
@@ -128,17 +171,20 @@ def test_gate_condition_table() -> None:
     ok = gate.Verdict(True, gate.WEIGHTS_RESIDENT, "2 GPU(s) hold 10 bytes")
     bad = gate.Verdict(False, gate.BYTES_BELOW_EXPECTED, "GPU-0 holds 1 bytes")
     assert gate.gate_condition("n1", {}) == Condition(
-        "False", gate.NO_WEIGHTCACHE, "no WeightCache in the namespace selects it")
+        "False", gate.NO_WEIGHTCACHE, "no WeightCache in the namespace selects it"
+    )
     assert gate.gate_condition(None, {"wc": ok}).reason == gate.POD_NOT_SCHEDULED
     assert gate.gate_condition("n1", {"wc": ok}) == Condition(
-        "True", gate.WEIGHTS_RESIDENT, "on n1: WeightCache wc: 2 GPU(s) hold 10 bytes")
+        "True", gate.WEIGHTS_RESIDENT, "on n1: WeightCache wc: 2 GPU(s) hold 10 bytes"
+    )
     closed = gate.gate_condition("n1", {"a": ok, "b": bad})
     assert (closed.status, closed.reason) == ("False", gate.BYTES_BELOW_EXPECTED)
     assert closed.message == "WeightCache b on n1: GPU-0 holds 1 bytes"
 
 
-def test_verdicts_are_plain_values(gpu_spec: WeightCacheSpec, gpu_hash: str,
-                                   make_pod: MakePod) -> None:
+def test_verdicts_are_plain_values(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
     first = gate.evaluate_node(gpu_spec, gpu_hash, [make_pod()])
     again = gate.evaluate_node(gpu_spec, gpu_hash, [make_pod()])
     assert first == again

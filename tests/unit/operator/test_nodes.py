@@ -7,9 +7,11 @@ from weightcache_operator import nodes
 
 def test_label_patch_adds_and_removes_only_differences() -> None:
     assert nodes.label_patch(frozenset(), frozenset({"minilm"})) == {
-        "weightcache.dev/minilm": "Ready"}
+        "weightcache.dev/minilm": "Ready"
+    }
     assert nodes.label_patch(frozenset({"minilm", "llama"}), frozenset({"llama"})) == {
-        "weightcache.dev/minilm": None}
+        "weightcache.dev/minilm": None
+    }
     assert nodes.label_patch(frozenset({"a"}), frozenset({"a"})) == {}
 
 
@@ -29,9 +31,16 @@ def test_orphans_are_labels_without_a_cache() -> None:
     assert nodes.orphans(frozenset(), ["b"]) == frozenset()
 
 
-@pytest.mark.parametrize(("name", "ok"), [
-    ("minilm", True), ("llama-3.1-70b", True), ("a" * 63, True), ("a" * 64, False),
-    ("-bad", False), ("", False),
-])
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("minilm", True),
+        ("llama-3.1-70b", True),
+        ("a" * 63, True),
+        ("a" * 64, False),
+        ("-bad", False),
+        ("", False),
+    ],
+)
 def test_labelable(name: str, ok: bool) -> None:
     assert nodes.labelable(name) is ok

@@ -17,10 +17,18 @@ from weightcache_operator.render import (
 from weightcache_operator.spec import parse_spec, spec_hash
 
 REF = CacheRef(namespace="team", name="minilm", uid="uid-1", generation=3)
-CPU = {"model": {"path": "/models/minilm"}, "device": "cpu", "transport": "memfd",
-       "sidecar": {"image": "sidecar:1"}}
-GPU = {"model": {"path": "/models/llama"}, "gpus": {"perNode": 8, "tpSize": 4},
-       "transport": "vmm_fd", "sidecar": {"image": "sidecar:1"}}
+CPU = {
+    "model": {"path": "/models/minilm"},
+    "device": "cpu",
+    "transport": "memfd",
+    "sidecar": {"image": "sidecar:1"},
+}
+GPU = {
+    "model": {"path": "/models/llama"},
+    "gpus": {"perNode": 8, "tpSize": 4, "shardPlan": "llama"},
+    "transport": "vmm_fd",
+    "sidecar": {"image": "sidecar:1"},
+}
 
 
 def render(raw: dict, ref: CacheRef = REF, default_image: str | None = None) -> dict[str, Any]:
@@ -48,9 +56,14 @@ def test_cpu_daemonset_shape() -> None:
     assert ds["metadata"]["name"] == "weightcache-minilm"
     assert ds["metadata"]["namespace"] == "team"
     (owner,) = ds["metadata"]["ownerReferences"]
-    assert owner == {"apiVersion": "weightcache.dev/v1alpha1", "kind": "WeightCache",
-                     "name": "minilm", "uid": "uid-1", "controller": True,
-                     "blockOwnerDeletion": True}
+    assert owner == {
+        "apiVersion": "weightcache.dev/v1alpha1",
+        "kind": "WeightCache",
+        "name": "minilm",
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     selector = ds["spec"]["selector"]["matchLabels"]
     template_labels = ds["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= template_labels.items()
@@ -85,8 +98,10 @@ def test_cpu_daemonset_shape() -> None:
 def test_volumes_mount_socket_dir_per_cache_and_model_read_only() -> None:
     ds = render({**CPU, "socketDir": "/var/run/wc/"})
     volumes = {v["name"]: v for v in pod(ds)["volumes"]}
-    assert volumes["sockets"]["hostPath"] == {"path": "/var/run/wc/team.minilm",
-                                              "type": "DirectoryOrCreate"}
+    assert volumes["sockets"]["hostPath"] == {
+        "path": "/var/run/wc/team.minilm",
+        "type": "DirectoryOrCreate",
+    }
     assert volumes["model"]["hostPath"] == {"path": "/models/minilm", "type": "Directory"}
     (container,) = pod(ds)["containers"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
@@ -98,8 +113,10 @@ def test_volumes_mount_socket_dir_per_cache_and_model_read_only() -> None:
 def test_pvc_model_source() -> None:
     ds = render({**CPU, "model": {"pvc": {"claimName": "store", "subPath": "minilm/v2"}}})
     volumes = {v["name"]: v for v in pod(ds)["volumes"]}
-    assert volumes["model"] == {"name": "model", "persistentVolumeClaim": {
-        "claimName": "store", "readOnly": True}}
+    assert volumes["model"] == {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "store", "readOnly": True},
+    }
     mounts = {m["name"]: m for m in pod(ds)["containers"][0]["volumeMounts"]}
     assert mounts["model"]["subPath"] == "minilm/v2"
 
@@ -135,6 +152,7 @@ def test_one_container_per_gpu_with_tp_ranks_and_ports() -> None:
     assert [arg(c, "--device") for c in containers] == [f"cuda:{i}" for i in range(8)]
     assert [arg(c, "--tp-rank") for c in containers] == ["0", "1", "2", "3"] * 2
     assert {arg(c, "--tp-size") for c in containers} == {"4"}
+    assert {arg(c, "--shard-plan") for c in containers} == {"llama"}
     ports = [c["ports"][0]["containerPort"] for c in containers]
     assert ports == list(range(8470, 8478))
     assert [c["readinessProbe"]["httpGet"]["port"] for c in containers] == ports
@@ -145,8 +163,11 @@ def test_one_container_per_gpu_with_tp_ranks_and_ports() -> None:
 
 
 def test_device_plugin_requests_one_gpu_per_container() -> None:
-    raw = {**GPU, "gpuAccess": {"mode": "device-plugin", "resourceName": "nvidia.com/gpu.shared"},
-           "sidecar": {"image": "s:1", "resources": {"limits": {"memory": "8Gi"}}}}
+    raw = {
+        **GPU,
+        "gpuAccess": {"mode": "device-plugin", "resourceName": "nvidia.com/gpu.shared"},
+        "sidecar": {"image": "s:1", "resources": {"limits": {"memory": "8Gi"}}},
+    }
     for c in pod(render(raw))["containers"]:
         assert arg(c, "--device") == "cuda:0"
         assert c["resources"]["limits"] == {"memory": "8Gi", "nvidia.com/gpu.shared": "1"}
@@ -154,10 +175,13 @@ def test_device_plugin_requests_one_gpu_per_container() -> None:
         assert "NVIDIA_VISIBLE_DEVICES" not in env(c)
 
 
-@pytest.mark.parametrize(("claim", "field"), [
-    ({"resourceClaimTemplateName": "gpus-template"}, "resourceClaimTemplateName"),
-    ({"resourceClaimName": "node-gpus"}, "resourceClaimName"),
-])
+@pytest.mark.parametrize(
+    ("claim", "field"),
+    [
+        ({"resourceClaimTemplateName": "gpus-template"}, "resourceClaimTemplateName"),
+        ({"resourceClaimName": "node-gpus"}, "resourceClaimName"),
+    ],
+)
 def test_dra_claim(claim: dict, field: str) -> None:
     spec = pod(render({**GPU, "gpuAccess": {"mode": "dra", "claim": claim}}))
     assert spec["resourceClaims"] == [{"name": "gpus", field: next(iter(claim.values()))}]
@@ -171,21 +195,35 @@ def test_torch_ipc_needs_host_pid_and_ipc() -> None:
 
 
 def test_allowed_peers() -> None:
-    raw = {**CPU, "sidecar": {"image": "s:1", "runAsGroup": 3000,
-                              "allowedPeers": {"uids": [1000, 0], "gids": [44]}}}
+    raw = {
+        **CPU,
+        "sidecar": {
+            "image": "s:1",
+            "runAsGroup": 3000,
+            "allowedPeers": {"uids": [1000, 0], "gids": [44]},
+        },
+    }
     args = pod(render(raw))["containers"][0]["args"]
     pairs = {(flag, args[i + 1]) for i, flag in enumerate(args) if flag.startswith("--allow")}
-    assert pairs == {("--allow-gid", "3000"), ("--allow-gid", "44"), ("--allow-uid", "0"),
-                     ("--allow-uid", "1000")}
+    assert pairs == {
+        ("--allow-gid", "3000"),
+        ("--allow-gid", "44"),
+        ("--allow-uid", "0"),
+        ("--allow-uid", "1000"),
+    }
 
 
 def test_dtype_revision_and_placement_pass_through() -> None:
-    raw = {**GPU, "model": {"path": "/m", "dtype": "bfloat16", "revision": "r1"}, "placement": {
-        "nodeSelector": {"pool": "h200"},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
-        "affinity": {"nodeAffinity": {"x": 1}},
-        "priorityClassName": "system-node-critical",
-    }}
+    raw = {
+        **GPU,
+        "model": {"path": "/m", "dtype": "bfloat16", "revision": "r1"},
+        "placement": {
+            "nodeSelector": {"pool": "h200"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "affinity": {"nodeAffinity": {"x": 1}},
+            "priorityClassName": "system-node-critical",
+        },
+    }
     spec = pod(render(raw))
     assert {arg(c, "--dtype") for c in spec["containers"]} == {"bfloat16"}
     assert {arg(c, "--revision") for c in spec["containers"]} == {"r1"}

@@ -31,7 +31,10 @@ def test_minimal_spec_gets_defaults() -> None:
 
 
 def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
-    assert parse_spec({**MINIMAL, "gpus": {"perNode": 8, "tpSize": 4}}).slots == 8
+    assert (
+        parse_spec({**MINIMAL, "gpus": {"perNode": 8, "tpSize": 4, "shardPlan": "llama"}}).slots
+        == 8
+    )
     assert parse_spec({**MINIMAL, "device": "cpu", "transport": "memfd"}).slots == 1
 
 
@@ -52,29 +55,46 @@ def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
         ({**MINIMAL, "gpus": {"perNode": 0}}, "spec.gpus.perNode"),
         ({**MINIMAL, "gpus": {"perNode": True}}, "spec.gpus.perNode"),
         ({**MINIMAL, "gpus": {"perNode": 6, "tpSize": 4}}, "spec.gpus.perNode"),
+        ({**MINIMAL, "gpus": {"perNode": 2, "tpSize": 2}}, "spec.gpus.shardPlan"),
+        (
+            {**MINIMAL, "gpus": {"perNode": 2, "tpSize": 2, "shardPlan": "gpt"}},
+            "spec.gpus.shardPlan",
+        ),
         ({**MINIMAL, "device": "cpu", "transport": "vmm_fd"}, "spec.transport"),
         ({**MINIMAL, "device": "cuda", "transport": "memfd"}, "spec.transport"),
         ({**MINIMAL, "device": "cpu", "gpus": {"perNode": 2}}, "spec.gpus"),
         ({**MINIMAL, "socketDir": "run/wc"}, "spec.socketDir"),
-        ({**MINIMAL, "sidecar": {"resources": {"requests": {"memory": "1GB"}}}},
-         "spec.sidecar.resources.requests.memory"),
-        ({**MINIMAL, "sidecar": {"resources": {"limits": {"cpu": "-1"}}}},
-         "spec.sidecar.resources.limits.cpu"),
+        (
+            {**MINIMAL, "sidecar": {"resources": {"requests": {"memory": "1GB"}}}},
+            "spec.sidecar.resources.requests.memory",
+        ),
+        (
+            {**MINIMAL, "sidecar": {"resources": {"limits": {"cpu": "-1"}}}},
+            "spec.sidecar.resources.limits.cpu",
+        ),
         ({**MINIMAL, "sidecar": {"httpPort": 80}}, "spec.sidecar.httpPort"),
         ({**MINIMAL, "sidecar": {"imagePullPolicy": "Sometimes"}}, "spec.sidecar.imagePullPolicy"),
         ({**MINIMAL, "gpuAccess": {"mode": "dra"}}, "spec.gpuAccess.claim"),
         ({**MINIMAL, "gpuAccess": {"resourceName": "nvidia.com/"}}, "spec.gpuAccess.resourceName"),
         ({**MINIMAL, "engine": {"byteTolerance": 1.5}}, "spec.engine.byteTolerance"),
         ({**MINIMAL, "engine": {"expectedBytes": 0}}, "spec.engine.expectedBytes"),
-        ({**MINIMAL, "engine": {"selector": {"matchExpressions": [
-            {"key": "a", "operator": "In"}]}}}, "spec.engine.selector.matchExpressions[0].values"),
-        ({**MINIMAL, "engine": {"selector": {"matchLabels": {"a": 1}}}},
-         "spec.engine.selector.matchLabels.a"),
+        (
+            {
+                **MINIMAL,
+                "engine": {"selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}},
+            },
+            "spec.engine.selector.matchExpressions[0].values",
+        ),
+        (
+            {**MINIMAL, "engine": {"selector": {"matchLabels": {"a": 1}}}},
+            "spec.engine.selector.matchLabels.a",
+        ),
         ({**MINIMAL, "placement": {"tolerations": {"key": "x"}}}, "spec.placement.tolerations"),
-        ({**MINIMAL, "sidecar": {"allowedPeers": {"uids": [-1]}}},
-         "spec.sidecar.allowedPeers.uids"),
-        ({**MINIMAL, "sidecar": {"allowedPeers": {"gids": "0"}}},
-         "spec.sidecar.allowedPeers.gids"),
+        (
+            {**MINIMAL, "sidecar": {"allowedPeers": {"uids": [-1]}}},
+            "spec.sidecar.allowedPeers.uids",
+        ),
+        ({**MINIMAL, "sidecar": {"allowedPeers": {"gids": "0"}}}, "spec.sidecar.allowedPeers.gids"),
     ],
 )
 def test_invalid_specs_name_the_field(raw: dict, field: str) -> None:
@@ -112,7 +132,7 @@ def test_hash_is_stable_and_ignores_defaults_being_explicit() -> None:
         {"model": {"path": "/models/minilm", "revision": "abc"}},
         {"model": {"path": "/models/minilm", "dtype": "bfloat16"}},
         {"gpus": {"perNode": 2}},
-        {"gpus": {"perNode": 2, "tpSize": 2}},
+        {"gpus": {"perNode": 2, "tpSize": 2, "shardPlan": "llama"}},
         {"transport": "vmm_fd"},
         {"model": {"pvc": {"claimName": "models", "subPath": "minilm"}}},
     ],
@@ -160,10 +180,17 @@ def test_selector_semantics(selector: LabelSelector, labels: dict, matches: bool
 
 
 def test_selector_is_parsed() -> None:
-    spec = parse_spec({**MINIMAL, "engine": {"selector": {
-        "matchLabels": {"app": "engine"},
-        "matchExpressions": [{"key": "tier", "operator": "Exists"}],
-    }}})
+    spec = parse_spec(
+        {
+            **MINIMAL,
+            "engine": {
+                "selector": {
+                    "matchLabels": {"app": "engine"},
+                    "matchExpressions": [{"key": "tier", "operator": "Exists"}],
+                }
+            },
+        }
+    )
     assert spec.engine.selector is not None
     assert spec.engine.selector.matches({"app": "engine", "tier": "x"})
     assert not spec.engine.selector.matches({"app": "engine"})
