@@ -13,7 +13,7 @@ venv: $(VENV_STAMP)
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_SYSTEM) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[operator,kubernetes,test]'
+	$(PY) -m pip install -q -e '.[operator,kubernetes,cuda,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -159,7 +159,7 @@ def _hardened() -> dict[str, Any]:
 
 def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[str, Any]:
     # kubelet creates a missing hostPath directory as root 0755; hand it to the
-    # daemon's user (0750) so the daemon itself can run without any privilege.
+    # daemon's user so the daemon itself can run without any privilege.
     mount = f"{CONTAINER_SOCKET_ROOT}/{cache_dir}"
     return {
         "name": "socket-dir",
@@ -172,8 +172,10 @@ def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[
         "command": [
             "python3",
             "-c",
-            "import os, sys; d = sys.argv[1]; os.chmod(d, 0o750); "
-            "os.chown(d, int(sys.argv[2]), int(sys.argv[3]))",
+            # chown only: once the directory is the daemon's, root without
+            # CAP_FOWNER may not chmod it, so a chmod here would fail every
+            # restart after the first. The daemon sets 0750 itself, as owner.
+            "import os, sys; os.chown(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
             mount,
             str(spec.sidecar.run_as_user),
             str(spec.sidecar.run_as_group),

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,10 +51,22 @@ log = logging.getLogger(__name__)
 
 # Exit code of a torch_ipc engine whose daemon died (EX_TEMPFAIL: restart me).
 DAEMON_DIED_EXIT_CODE = 75
+# Consecutive failed liveness checks before the watchdog declares the daemon dead.
+WATCHDOG_MISSES = 3
 
 
 class DaemonError(RuntimeError):
     """The daemon answered with an error (loading, busy, no common transport, ...)."""
+
+
+class DaemonNotReady(DaemonError):
+    """The daemon is loading or busy; the same request may succeed later."""
+
+
+def _daemon_error(socket_path: str, message: str | None) -> DaemonError:
+    # The daemon ends every transient refusal ("still loading", "busy") with "; retry".
+    kind = DaemonNotReady if (message or "").endswith("; retry") else DaemonError
+    return kind(f"daemon at {socket_path}: {message}")
 
 
 class ConfigMismatch(DaemonError):
@@ -129,10 +142,23 @@ class DaemonWatchdog:
         self._thread.start()
 
     def _run(self) -> None:
+        misses = 0
         while not self._stopped.wait(self._interval):
-            if not self._attached.daemon_alive():
+            misses = misses + 1 if self._daemon_gone() else 0
+            # Several in a row: one missed ping (a stall) must not kill a healthy engine.
+            if misses >= WATCHDOG_MISSES:
                 self._on_death(self._attached)
                 return
+
+    def _daemon_gone(self) -> bool:
+        """True only for evidence of death: no socket, nobody listening, or a new pid."""
+        attached = self._attached
+        try:
+            return ping(attached.socket_path, timeout=self._interval * 2) != attached.daemon_pid
+        except (FileNotFoundError, ConnectionRefusedError):
+            return True
+        except (OSError, RuntimeError):
+            return False  # busy or slow: alive as far as we can tell
 
     def stop(self) -> None:
         self._stopped.set()
@@ -183,7 +209,7 @@ def _request(socket_path: str, request, timeout: float, max_frame: int = DEFAULT
         body, _ = recv_frame(sock, max_frame, max_fds=0)
     reply = decode_reply(body)
     if isinstance(reply, ErrorReply):
-        raise DaemonError(f"daemon at {socket_path}: {reply.error}")
+        raise _daemon_error(socket_path, reply.error)
     return reply
 
 
@@ -216,6 +242,7 @@ def attach(
     max_frame: int = DEFAULT_MAX_FRAME,
     handback: bool = True,
     handback_peers: PeerPolicy | None = None,
+    wait_ready: float = 0.0,
 ) -> AttachedWeights:
     """Map the daemon's weights into this process.
 
@@ -230,10 +257,39 @@ def attach(
     restarting daemon that ``handback_peers`` allows (default: our own uid),
     so it re-adopts the weights instead of reloading them (see
     :mod:`weightcache.handback`).
+    ``wait_ready`` seconds: keep retrying while the daemon is not up yet, still
+    loading or busy (an engine container usually starts before its daemon is
+    ready); 0 fails at once.
     """
     transports = list(transports or default_client_transports())
     if fallback_model_dir is not None and not os.path.exists(socket_path):
         return _load_from_disk(Path(fallback_model_dir), config)
+    deadline = time.monotonic() + wait_ready
+    while True:
+        try:
+            return _attach_once(
+                socket_path, config, transports, read_write, watchdog, on_daemon_death,
+                watchdog_interval, timeout, max_frame, handback, handback_peers,
+            )  # fmt: skip
+        except (DaemonNotReady, FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _attach_once(
+    socket_path: str,
+    config: CacheConfig | None,
+    transports: list[str],
+    read_write: bool,
+    watchdog: bool | None,
+    on_daemon_death,
+    watchdog_interval: float,
+    timeout: float,
+    max_frame: int,
+    handback: bool,
+    handback_peers: PeerPolicy | None,
+) -> AttachedWeights:
     with _connect(socket_path, timeout) as sock:
         request = FetchStateRequest(v=1, config=config, transports=transports)
         _send(sock, request, socket_path, max_frame)
@@ -272,7 +328,7 @@ def _checked_reply(
     reply: object, config: CacheConfig | None, transports: list[str], socket_path: str
 ) -> FetchStateReply:
     if isinstance(reply, ErrorReply):
-        raise DaemonError(f"daemon at {socket_path}: {reply.error}")
+        raise _daemon_error(socket_path, reply.error)
     if not isinstance(reply, FetchStateReply):
         raise ProtocolError(f"expected a fetch_state reply, got {type(reply).__name__}")
     if reply.status == "mismatch":
@@ -282,7 +338,7 @@ def _checked_reply(
             f"{', '.join(reply.mismatched_fields) or '(unspecified)'}",
         )
     if reply.status == "error":
-        raise DaemonError(f"daemon at {socket_path}: {reply.error}")
+        raise _daemon_error(socket_path, reply.error)
     # Validate before mapping anything, so a bad reply costs no mapping.
     validated_preloaded_bytes(reply.preloaded_weights_bytes)
     if reply.config is None or reply.layout is None or reply.fingerprint is None:

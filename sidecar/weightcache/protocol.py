@@ -154,7 +154,14 @@ Request = PingRequest | StatusRequest | FetchStateRequest
 # --------------------------------------------------------------------------- replies
 
 
-class DaemonStatus(msgspec.Struct, forbid_unknown_fields=True):
+class _ReplyMessage(msgspec.Struct, tag_field="op"):
+    """Replies tolerate fields they do not know, so a newer daemon can add
+    optional fields without breaking older engines; requests stay strict."""
+
+    v: Literal[1]
+
+
+class DaemonStatus(msgspec.Struct):
     state: Literal["loading", "ready", "error"]
     pid: NonNegInt
     device: str
@@ -173,19 +180,19 @@ class DaemonStatus(msgspec.Struct, forbid_unknown_fields=True):
     load_reason: str | None = None
 
 
-class PingReply(_Message, tag="ping_reply"):
+class PingReply(_ReplyMessage, tag="ping_reply"):
     pid: NonNegInt
 
 
-class StatusReply(_Message, tag="status_reply"):
+class StatusReply(_ReplyMessage, tag="status_reply"):
     status: DaemonStatus
 
 
-class ErrorReply(_Message, tag="error"):
+class ErrorReply(_ReplyMessage, tag="error"):
     error: str
 
 
-class FetchStateReply(_Message, tag="fetch_state_reply"):
+class FetchStateReply(_ReplyMessage, tag="fetch_state_reply"):
     """``preloaded_weights_bytes`` and ``transport_backend`` are loose on purpose.
 
     Old daemons omit ``transport_backend`` (meaning ``torch_ipc``) and may omit

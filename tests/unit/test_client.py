@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -17,6 +19,7 @@ from weightcache.client import (
     AttachedWeights,
     ConfigMismatch,
     DaemonError,
+    DaemonNotReady,
     attach,
     load_into,
     meta_parameters,
@@ -383,3 +386,41 @@ def test_disk_fallback_only_when_the_socket_is_absent(
     with pytest.raises(FileNotFoundError, match=r"no weightcache daemon answering.*absent\.sock"):
         attach(absent)
     assert not os.path.exists(absent)
+
+
+# ----------------------------------------------------------------------------- waiting for a daemon
+
+
+def test_wait_ready_retries_while_the_daemon_loads_then_attaches(fake, served) -> None:
+    loading = FetchStateReply(v=1, status="error", pid=4242, error="daemon is still loading; retry")
+    fake.replies["reply"] = loading
+    with pytest.raises(DaemonNotReady, match="still loading"):
+        attach(fake.socket_path, transports=["memfd"])  # wait_ready=0: fail at once
+
+    def become_ready() -> None:
+        time.sleep(0.5)
+        fake.replies["reply"] = ok_reply(served)
+
+    threading.Thread(target=become_ready).start()
+    attached = attach(fake.socket_path, transports=["memfd"], wait_ready=30)
+    assert attached.preloaded_weights_bytes == served.memory.preloaded_weights_bytes
+    attached.close()
+
+
+def test_wait_ready_gives_up_and_hard_errors_are_not_retried(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        attach(str(tmp_path / "nobody.sock"), wait_ready=0.5)
+    asked = []
+
+    def handler(request, conn) -> None:
+        asked.append(request)
+        send_message(conn, FetchStateReply(v=1, status="error", pid=1, error="disk on fire"))
+
+    daemon = FakeDaemon(str(tmp_path / "fake.sock"), handler)
+    try:
+        with pytest.raises(DaemonError, match="disk on fire") as info:
+            attach(daemon.socket_path, transports=["memfd"], wait_ready=30)
+    finally:
+        daemon.close()
+    assert not isinstance(info.value, DaemonNotReady)
+    assert len(asked) == 1  # a hard error is final: asked once, not retried

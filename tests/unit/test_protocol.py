@@ -415,3 +415,12 @@ def test_deeply_nested_requests_are_a_protocol_error() -> None:
         body = prefix + msgspec.msgpack.encode(key) + b"\x91" * 100_000 + b"\x01"
         with pytest.raises(ProtocolError, match="^bad request: "):
             decode_request(body)
+
+
+def test_replies_tolerate_fields_a_newer_daemon_adds_but_requests_do_not() -> None:
+    from weightcache.protocol import PingReply, decode_reply, decode_request
+
+    newer = msgspec.msgpack.encode({"op": "ping_reply", "v": 1, "pid": 7, "uptime": 3.5})
+    assert decode_reply(newer) == PingReply(v=1, pid=7)
+    with pytest.raises(ProtocolError, match="unknown field `uptime`"):
+        decode_request(msgspec.msgpack.encode({"op": "ping", "v": 1, "uptime": 3.5}))

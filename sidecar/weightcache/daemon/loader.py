@@ -31,7 +31,8 @@ from weightcache.shard import TensorShard, plan_shards
 # Large enough that a read is a long sequential request, small enough that
 # eight workers' pinned buffers stay modest (8 x 64 MiB).
 PIECE_BYTES = 64 * 1024 * 1024
-DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
+# The CPUs this process may run on (a container's limit), not the host's count.
+DEFAULT_WORKERS = min(8, len(os.sched_getaffinity(0)))
 
 
 def target_dtype(source: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
@@ -256,7 +257,7 @@ class _WorkerState:
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
-        self.pinned = torch.empty(0, dtype=torch.uint8).pin_memory()
+        self.pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self.staging: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None
 
@@ -297,7 +298,7 @@ class _DeviceReader:
             state.done.synchronize()  # this worker's previous copies have left the buffer
         size = chunk.file_end - chunk.file_start
         if state.pinned.numel() < size:
-            state.pinned = torch.empty(size, dtype=torch.uint8).pin_memory()
+            state.pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         host = state.pinned[:size]
         _pread_into(self._fds[chunk.path], _host_view(host), chunk.file_start, chunk.path)
         with torch.cuda.device(self._device), torch.cuda.stream(state.stream):

@@ -138,10 +138,15 @@ class SocketServer:
                 conn, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stopping.is_set():
                     return
-                raise
+                # Out of fds, buffers, or an aborted handshake: transient. Dying
+                # here would leave a daemon that looks healthy and serves nobody.
+                self.counters.count(self.counters.refused, "accept_error")
+                log.warning("accept failed (%s); retrying", exc)
+                time.sleep(0.1)
+                continue
             self._admit(conn)
 
     def stop(self, grace_seconds: float = 10.0) -> None:

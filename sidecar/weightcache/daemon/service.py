@@ -139,7 +139,10 @@ class Daemon:
                 r.fingerprint,
             )
             self._set_state("ready")
-            self._stop.wait()
+            # Not one untimed wait: SIGTERM may be taken by another thread, and then the
+            # main thread, asleep in the wait, would never run the Python handler.
+            while not self._stop.wait(0.5):
+                pass
         except Exception as exc:
             log.error("load failed: %s", exc)
             self._set_state("error", f"load failed: {exc}")

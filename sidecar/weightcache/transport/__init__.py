@@ -7,11 +7,14 @@ A reply without ``transport_backend`` comes from an old daemon and means
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from weightcache.transport.base import DaemonMemory, WeightCacheTransportBackend
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TRANSPORT = "torch_ipc"
 
@@ -95,4 +98,11 @@ def default_daemon_transport(device: torch.device) -> str:
         return "memfd"
     from weightcache.transport.vmm_fd import vmm_fd_supported
 
-    return "vmm_fd" if vmm_fd_supported(device) else "torch_ipc"
+    if vmm_fd_supported(device):
+        return "vmm_fd"
+    log.warning(
+        "%s: no CUDA VMM with POSIX-fd handles (or cuda-bindings missing): serving torch_ipc, "
+        "which engines can only open from the daemon's PID namespace (hostPID)",
+        device,
+    )
+    return "torch_ipc"

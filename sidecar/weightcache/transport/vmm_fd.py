@@ -72,6 +72,7 @@ def _allocation_prop(ordinal: int):
     return prop
 
 
+@functools.cache
 def granularity(ordinal: int) -> int:
     drv = _driver()
     _use_device(ordinal)
