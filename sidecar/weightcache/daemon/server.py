@@ -149,8 +149,11 @@ class SocketServer:
                 continue
             self._admit(conn)
 
-    def stop(self, grace_seconds: float = 10.0) -> None:
-        """Stop accepting; let in-flight connections finish for up to ``grace_seconds``."""
+    def stop(self, grace_seconds: float = 10.0) -> bool:
+        """Stop accepting; let in-flight connections finish for up to ``grace_seconds``.
+
+        Returns whether every connection finished (False: some are still sending).
+        """
         self._stopping.set()
         self._listener.close()
         deadline = time.monotonic() + grace_seconds
@@ -158,6 +161,7 @@ class SocketServer:
             threads = list(self._threads)
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
     def _admit(self, conn: socket.socket) -> None:
         conn.settimeout(self._limits.timeout_seconds)

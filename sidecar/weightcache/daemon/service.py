@@ -148,10 +148,12 @@ class Daemon:
             self._set_state("error", f"load failed: {exc}")
             code = 1
         finally:
-            self._server.stop(opts.drain_seconds)
+            drained = self._server.stop(opts.drain_seconds)
             if http is not None:
                 http.shutdown()
-            if self._resident is not None:
+            # A connection still sending must not see its fds closed (and their
+            # numbers reused) under it; the process exit releases them instead.
+            if self._resident is not None and drained:
                 self._resident.close()
             try:
                 os.unlink(opts.socket_path)
