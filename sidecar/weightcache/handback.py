@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from weightcache.daemon.server import PeerPolicy, peer_credentials
@@ -106,7 +107,11 @@ class HandbackServer:
             try:
                 conn, _ = self._listener.accept()
             except OSError:
-                return  # closed
+                if self._closed:
+                    return
+                # Transient (out of fds, aborted handshake): keep offering.
+                time.sleep(0.1)
+                continue
             with conn:
                 try:
                     self._answer(conn)
@@ -126,7 +131,10 @@ class HandbackServer:
             self._refuse(conn, f"peer uid {uid} / gid {gid} is not allowed")
             return
         try:
-            body, _ = recv_frame(conn, MAX_FRAME, max_fds=0)
+            # A deadline for the whole frame: one peer trickling bytes must not
+            # hold the (single-threaded) offer for long.
+            deadline = time.monotonic() + self._timeout
+            body, _ = recv_frame(conn, MAX_FRAME, max_fds=0, deadline=deadline)
             request = decode_readopt_request(body)
         except ProtocolError as exc:
             self._refuse(conn, str(exc))
