@@ -79,3 +79,9 @@ def many_tensor_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
     assert sum(map(len, tensors)) > 1_000_000
     save_file(tensors, directory / "model.safetensors")
     return directory, tensors
+
+
+@pytest.fixture(scope="session")
+def many_tensor_daemon(session_daemons: DaemonFactory, many_tensor_checkpoint):
+    directory, tensors = many_tensor_checkpoint
+    return session_daemons(directory, "--transport", "memfd"), tensors

@@ -6,6 +6,7 @@ import array
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -216,3 +217,32 @@ def test_many_good_frames_with_fds_leak_nothing() -> None:
             os.close(received[0])
         assert open_fd_count() == before
     os.close(fd)
+
+
+def test_a_deadline_bounds_the_whole_frame_not_each_read(pair) -> None:
+    a, b = pair
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in b"\x00\x00\x00\x10" + b"x" * 16:
+            if stop.wait(0.1):
+                return
+            a.sendall(bytes([byte]))
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        # Each byte comes well within the socket's 10 s timeout; the frame as a whole cannot.
+        with pytest.raises(TimeoutError):
+            recv_frame(b, deadline=time.monotonic() + 0.5)
+    finally:
+        stop.set()
+        sender.join()
+    assert b.gettimeout() == 10
+
+
+def test_a_frame_within_its_deadline_is_read_and_the_timeout_kept(pair) -> None:
+    a, b = pair
+    send_frame(a, b"on time")
+    assert recv_frame(b, deadline=time.monotonic() + 30) == (b"on time", [])
+    assert b.gettimeout() == 10

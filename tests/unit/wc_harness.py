@@ -307,14 +307,6 @@ class DaemonProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            self.terminate(within=20)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
 
 class DaemonFactory:
     """Starts daemons in short temporary directories and stops all of them at the end."""
@@ -340,8 +332,14 @@ class DaemonFactory:
         return daemon
 
     def close(self) -> None:
-        for daemon in self._daemons:
-            daemon.stop()
+        running = [d for d in self._daemons if d.proc is not None and d.proc.poll() is None]
+        for daemon in running:  # all at once: each takes a moment to drain and exit
+            daemon.proc.send_signal(signal.SIGTERM)
+        for daemon in running:
+            try:
+                daemon.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
         for path in self._dirs:
             shutil.rmtree(path, ignore_errors=True)
 

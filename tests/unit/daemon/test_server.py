@@ -302,12 +302,6 @@ def test_peer_policy() -> None:
 # ----------------------------------------------------------------------------- killed clients
 
 
-@pytest.fixture(scope="module")
-def many_tensor_daemon(module_daemons, many_tensor_checkpoint):
-    directory, tensors = many_tensor_checkpoint
-    return module_daemons(directory, "--transport", "memfd"), tensors
-
-
 def test_fifty_clients_killed_mid_transfer_leave_the_daemon_serving_without_fd_growth(
     many_tensor_daemon, peers
 ) -> None:

@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.unit.wc_harness import DaemonProcess
 from weightcache.client import attach, daemon_status, ping
 from weightcache.daemon.cli import main
 
@@ -21,22 +21,23 @@ SIDECAR = str(Path(sys.executable).parent / "weightcache-sidecar")
 # ----------------------------------------------------------------------------- one per device
 
 
-def test_a_second_daemon_on_the_same_socket_refuses_to_start(memfd_daemon, session_daemons):
-    second = session_daemons.adopt(
-        DaemonProcess(
-            memfd_daemon.model_dir,
-            memfd_daemon.workdir,
-            ("--transport", "memfd"),
-            starts=memfd_daemon.starts + 100,  # its own log file
-        )
-    )
-    second.start(wait=False)
-    assert second.proc.wait(120) == 1
-    log = second.log()
+def serve_in_thread(args: list[str]) -> int:
+    """``weightcache-sidecar serve`` in this process, off the main thread (no signal handlers)."""
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(["serve", *args])))
+    thread.start()
+    thread.join(120)
+    assert codes, "serve did not return"
+    return codes[0]
+
+
+def test_a_second_daemon_on_the_same_socket_refuses_to_start(memfd_daemon, capsys) -> None:
+    args = ["--model", str(memfd_daemon.model_dir), "--socket", memfd_daemon.socket]
+    assert serve_in_thread([*args, "--http-address", "none"]) == 1
     assert (
         f"another daemon (pid {memfd_daemon.pid}) already serves this device "
         f"(lock {memfd_daemon.socket}.lock is held)"
-    ) in log
+    ) in capsys.readouterr().err
     # The first daemon, its socket and its lock are untouched.
     assert ping(memfd_daemon.socket) == memfd_daemon.pid
     assert Path(memfd_daemon.socket + ".lock").read_text().strip() == str(memfd_daemon.pid)
@@ -143,13 +144,14 @@ def test_serve_rejects_bad_arguments(tmp_path, capsys, args, message) -> None:
 # ----------------------------------------------------------------------------- load failures
 
 
-def test_a_checkpoint_that_cannot_load_is_reported_and_exits_1(daemons, tmp_path) -> None:
+def test_a_checkpoint_that_cannot_load_is_reported_and_exits_1(tmp_path, caplog) -> None:
     header = b"{not json!!!!!!}"
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
-    daemon = daemons(tmp_path, wait=False)
-    assert daemon.proc.wait(120) == 1
-    assert "load failed: " in daemon.log() and "header is not JSON" in daemon.log()
-    assert not os.path.exists(daemon.socket)
+    sock = str(tmp_path / "d" / "cpu.sock")
+    args = ["--model", str(tmp_path), "--socket", sock, "--http-address", "none"]
+    assert serve_in_thread(args) == 1
+    assert "load failed: " in caplog.text and "header is not JSON" in caplog.text
+    assert not os.path.exists(sock)
 
 
 # ----------------------------------------------------------------------------- SIGTERM
@@ -158,6 +160,7 @@ def test_a_checkpoint_that_cannot_load_is_reported_and_exits_1(daemons, tmp_path
 def test_sigterm_exits_cleanly_removes_the_socket_and_engines_keep_their_weights(
     daemons, minilm_dir, minilm_reference
 ) -> None:
+    """(A successor taking over the socket is tested in faults/test_daemon_faults.py.)"""
     daemon = daemons(minilm_dir, "--transport", "memfd")
     attached = attach(daemon.socket)
     try:
@@ -170,6 +173,3 @@ def test_sigterm_exits_cleanly_removes_the_socket_and_engines_keep_their_weights
         assert attached.degraded
     finally:
         attached.close()
-    # The lock went with the daemon: a successor starts on the same socket.
-    successor = daemons(minilm_dir, "--transport", "memfd", workdir=daemon.workdir)
-    assert ping(successor.socket) == successor.pid != daemon.pid
