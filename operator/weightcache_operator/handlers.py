@@ -349,7 +349,9 @@ async def reconcile_cache(state: State, memo: kopf.Memo, namespace: str, name: s
                 metrics.ERRORS.labels("cache").inc()
                 if exc.status == 404:
                     return
-                raise
+                # Retried like the DaemonSet apply, not after kopf's default minute.
+                message = f"writing status: {exc.status} {exc.reason}: {api_message(exc)}"
+                raise kopf.TemporaryError(message, delay=5) from exc
             memo.statuses[cache.uid] = result.status
             for event in result.events:
                 kopf.event(
