@@ -82,9 +82,14 @@ def install_crd(cluster: Cluster) -> None:
                     f"crd/{names.PLURAL}.{names.GROUP}")
 
 
+def operator_role_name(namespace: str, name: str) -> str:
+    """The ClusterRole (and binding) `install_operator_account` creates for that account."""
+    return f"{name}-{namespace}"
+
+
 def install_operator_account(cluster: Cluster, namespace: str, name: str) -> Path:
     """ServiceAccount + ClusterRole(OPERATOR_RULES) + binding; returns its kubeconfig."""
-    role = f"{name}-{namespace}"
+    role = operator_role_name(namespace, name)
     apply(
         cluster,
         {"apiVersion": "v1", "kind": "ServiceAccount",
