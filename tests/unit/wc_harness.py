@@ -171,6 +171,14 @@ def open_fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def print_counts(title: str, counts: dict[str, int]) -> None:
+    """The counts a fault module ran (shown with ``pytest -s``; docs/reliability.md cites them)."""
+    print(f"\n{title}:")
+    for kind, n in sorted(counts.items()):
+        print(f"  {kind}: {n}")
+    print(f"  total: {sum(counts.values())}")
+
+
 def wait_until(predicate, what: str, within: float = 60.0, interval: float = 0.05):
     """Poll ``predicate`` until it returns a truthy value (a hang guard, not a timing check)."""
     deadline = time.monotonic() + within

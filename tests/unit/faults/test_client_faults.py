@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tests.unit.wc_harness import frame, wait_until
+from tests.unit.wc_harness import frame, print_counts, wait_until
 from weightcache.client import DaemonError, attach
 from weightcache.protocol import (
     DEFAULT_MAX_FRAME,
@@ -28,8 +28,8 @@ from weightcache.protocol import (
 COUNTS: dict[str, int] = {}
 KILL_ROUNDS = 3
 KILLS_PER_STEP = 8  # per round, at each of the 6 handshake steps
-SLOWLORIS = 8
 LIMITED_CONNECTIONS = 8
+SLOWLORIS = LIMITED_CONNECTIONS  # enough to take every slot
 LIMITED_TIMEOUT = 2
 CONCURRENT = 64
 REQUEST = frame(FetchStateRequest(v=1, config=None, transports=["memfd"]))
@@ -37,6 +37,12 @@ REQUEST = frame(FetchStateRequest(v=1, config=None, transports=["memfd"]))
 
 def count(kind: str, n: int = 1) -> None:
     COUNTS[kind] = COUNTS.get(kind, 0) + n
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    yield
+    print_counts("client faults run against live daemons", COUNTS)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,7 @@ def test_clients_killed_at_every_handshake_step(many_tensor_daemon, peers) -> No
             proc.send_signal(signal.SIGKILL)
         for proc in held:
             assert proc.wait(30) == -signal.SIGKILL
+        assert len(held) == 6 * KILLS_PER_STEP
         count("clients SIGKILLed (6 handshake steps)", len(held))
         assert daemon.proc.poll() is None
         assert daemon.fd_count() == fds
@@ -121,7 +128,7 @@ def slowloris(socket_path: str, data: bytes, outcome: dict) -> None:
 
 
 def test_slowloris_clients_are_dropped_and_their_slots_freed(limited_daemon, minilm_reference):
-    frames = [REQUEST] * LIMITED_CONNECTIONS  # 49 bytes: 49 s at 1 byte/s, the daemon waits 2
+    frames = [REQUEST] * SLOWLORIS  # 49 bytes: 49 s at 1 byte/s; the daemon waits 2
     outcomes = [{} for _ in frames]
     threads = [
         threading.Thread(target=slowloris, args=(limited_daemon.socket, data, outcome))
@@ -244,11 +251,3 @@ def test_the_excess_over_the_limit_is_told_busy_at_once(limited_daemon, minilm_r
     results = crowd(limited_daemon.socket, 96, minilm_reference, retry_busy=True)
     count("concurrent attaches (96 at once, limit 8, retrying busy)", 96)
     assert results == [True] * 96, [r for r in results if r is not True][:3]
-
-
-def test_counts() -> None:
-    print("\nclient faults run against live daemons:")
-    for kind, n in sorted(COUNTS.items()):
-        print(f"  {kind}: {n}")
-    assert COUNTS["clients SIGKILLed (6 handshake steps)"] == KILL_ROUNDS * 6 * KILLS_PER_STEP
-    assert COUNTS["slowloris clients (1 byte/s)"] == SLOWLORIS
