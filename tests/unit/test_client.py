@@ -299,9 +299,11 @@ def test_bad_preloaded_bytes_are_rejected_before_anything_is_mapped(
     fake.replies["reply"] = ok_reply(served, preloaded_weights_bytes=value)
     for attempt in range(3):
         if attempt == 1:
+            fake.wait_handled(1)
             before = open_fd_count()  # after a first attempt, which may allocate lazily
         with pytest.raises(RuntimeError, match=message):
             attach(fake.socket_path)
+    fake.wait_handled(3)  # the fake daemon's end of each connection is in this process too
     assert open_fd_count() == before
 
 

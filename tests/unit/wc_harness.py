@@ -436,6 +436,8 @@ class FakeDaemon:
         self._listener.settimeout(0.1)
         self._stop = threading.Event()
         self.errors: list[BaseException] = []
+        # Connections fully handled and closed (its fds share this process with the client's).
+        self.handled = 0
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -455,6 +457,10 @@ class FakeDaemon:
                     self._handler(decode_request(body), conn)
                 except Exception as exc:  # reported by close(), never swallowed
                     self.errors.append(exc)
+            self.handled += 1
+
+    def wait_handled(self, count: int) -> None:
+        wait_until(lambda: self.handled >= count, f"the fake daemon to handle {count} requests")
 
     def close(self) -> None:
         self._stop.set()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.wc_harness import wait_until
 from weightcache.client import attach, daemon_status, ping
 from weightcache.daemon.cli import main
 
@@ -85,8 +86,12 @@ def test_metrics(memfd_daemon) -> None:
     assert all(name.split("{")[0].startswith("weightcache_") for name in before)
     for _ in range(3):
         ping(memfd_daemon.socket)
-    after = scrape()
     pings = 'weightcache_requests_total{op="ping"}'
+    # The daemon counts a request just after sending its reply.
+    after = wait_until(
+        lambda: (m := scrape()).get(pings, 0) >= before.get(pings, 0) + 3 and m,
+        "the three pings to be counted",
+    )
     assert after[pings] == before.get(pings, 0) + 3
 
 

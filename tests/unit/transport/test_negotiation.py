@@ -88,7 +88,10 @@ def test_a_reply_without_transport_backend_is_read_as_torch_ipc(tmp_path) -> Non
             layout=served.layout,
             handles=served.export.handles,
         )
-        served.backend.send_fetch_state_response(conn, reply, served.export)
+        try:
+            served.backend.send_fetch_state_response(conn, reply, served.export)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a client that refuses the reply hangs up before the fds
 
     fake = FakeDaemon(str(tmp_path / "old.sock"), old_daemon)
     try:
