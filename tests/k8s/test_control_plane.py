@@ -11,14 +11,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from tests.k8s.operator_flow import eventually
 from tools.testenv.assets import K8S_VERSION
 from tools.testenv.cluster import Cluster
 from tools.testenv.procs import group_alive, port_is_listening
@@ -27,19 +27,6 @@ pytestmark = pytest.mark.k8s
 
 GATE = "weightcache.dev/weights-resident"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
-
-
-def eventually(what: str, probe: Callable[[], T | None], bound: float = 60.0) -> T:
-    """Poll probe until it returns something truthy; fail naming `what` after `bound` seconds."""
-    deadline = time.monotonic() + bound
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"never reached: {what} (last probe: {last!r})")
 
 
 def condition(pod: k8s.V1Pod, kind: str) -> k8s.V1PodCondition | None:
