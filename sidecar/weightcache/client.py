@@ -44,7 +44,7 @@ from weightcache.protocol import (
     validated_preloaded_bytes,
 )
 from weightcache.transport import default_client_transports, get_client_transport_backend
-from weightcache.transport.base import ImportedMemory
+from weightcache.transport.base import ImportedMemory, WeightCacheTransportBackend
 from weightcache.wire import recv_frame, send_message
 
 log = logging.getLogger(__name__)
@@ -267,37 +267,14 @@ def attach(
     deadline = time.monotonic() + wait_ready
     while True:
         try:
-            return _attach_once(
-                socket_path, config, transports, read_write, watchdog, on_daemon_death,
-                watchdog_interval, timeout, max_frame, handback, handback_peers,
-            )  # fmt: skip
+            reply, backend, memory = _fetch(
+                socket_path, config, transports, read_write, timeout, max_frame
+            )
+            break
         except (DaemonNotReady, FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
-
-
-def _attach_once(
-    socket_path: str,
-    config: CacheConfig | None,
-    transports: list[str],
-    read_write: bool,
-    watchdog: bool | None,
-    on_daemon_death,
-    watchdog_interval: float,
-    timeout: float,
-    max_frame: int,
-    handback: bool,
-    handback_peers: PeerPolicy | None,
-) -> AttachedWeights:
-    with _connect(socket_path, timeout) as sock:
-        request = FetchStateRequest(v=1, config=config, transports=transports)
-        _send(sock, request, socket_path, max_frame)
-        body, _ = recv_frame(sock, max_frame, max_fds=0)
-        reply = _checked_reply(decode_reply(body), config, transports, socket_path)
-        backend = get_client_transport_backend(reply.transport_backend, read_write=read_write)
-        entries = backend.recv_fetch_state_response(sock, reply, max_frame)
-    memory = backend.import_tensors(entries)
     try:
         tensors = build_views(memory.buffers, reply.layout)
     except BaseException:
@@ -322,6 +299,25 @@ def _attach_once(
             socket_path, reply.fingerprint, sizes, memory.fds, handback_peers
         )
     return attached
+
+
+def _fetch(
+    socket_path: str,
+    config: CacheConfig | None,
+    transports: list[str],
+    read_write: bool,
+    timeout: float,
+    max_frame: int,
+) -> tuple[FetchStateReply, WeightCacheTransportBackend, ImportedMemory]:
+    """One fetch_state exchange, and the daemon's allocations mapped into this process."""
+    with _connect(socket_path, timeout) as sock:
+        request = FetchStateRequest(v=1, config=config, transports=transports)
+        _send(sock, request, socket_path, max_frame)
+        body, _ = recv_frame(sock, max_frame, max_fds=0)
+        reply = _checked_reply(decode_reply(body), config, transports, socket_path)
+        backend = get_client_transport_backend(reply.transport_backend, read_write=read_write)
+        entries = backend.recv_fetch_state_response(sock, reply, max_frame)
+    return reply, backend, backend.import_tensors(entries)
 
 
 def _checked_reply(
