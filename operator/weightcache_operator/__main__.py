@@ -1,27 +1,31 @@
-"""`python -m weightcache_operator`: run the operator, or print its RBAC rules.
+"""`python -m weightcache_operator run`: run the operator.
 
     python -m weightcache_operator run [--metrics-port 8080]
-        [--liveness http://0.0.0.0:8081/healthz] [--sidecar-image IMAGE]
-    python -m weightcache_operator rbac
+        [--liveness http://0.0.0.0:8081/healthz]
 
 Credentials come from the pod's ServiceAccount in a cluster, else $KUBECONFIG.
+What WeightCaches may ask for (images, host paths, transports) comes from
+$WEIGHTCACHE_POLICY (weightcache_operator.policy), which the chart sets.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-
-import yaml
 
 
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
     from . import handlers, metrics  # noqa: F401 - importing registers the handlers
+    from .policy import PolicyError, policy_from_env
 
+    try:
+        policy = policy_from_env()
+    except PolicyError as exc:
+        print(f"weightcache-operator: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -32,19 +36,8 @@ def _run(args: argparse.Namespace) -> int:
         standalone=True,
         clusterwide=True,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(sidecar_image=args.sidecar_image or None),
+        memo=kopf.Memo(policy=policy),
     )
-    return 0
-
-
-def _rbac(_: argparse.Namespace) -> int:
-    from . import rbac
-
-    docs = [
-        rbac.cluster_role("weightcache-operator", rbac.OPERATOR_RULES),
-        rbac.cluster_role("weightcache-daemon", rbac.DAEMON_RULES),
-    ]
-    yaml.safe_dump_all(docs, sys.stdout, sort_keys=False)
     return 0
 
 
@@ -58,11 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--metrics-addr", default="0.0.0.0")
     run.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                      help="kopf liveness endpoint URL; empty disables")
-    run.add_argument("--sidecar-image", default=os.environ.get("WEIGHTCACHE_SIDECAR_IMAGE", ""),
-                     help="daemon image for caches that set no spec.sidecar.image")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=_run)
-    sub.add_parser("rbac", help="print the ClusterRoles as YAML").set_defaults(func=_rbac)
     args = parser.parse_args(argv)
     return args.func(args)
 

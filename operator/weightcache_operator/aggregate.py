@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from weightcache.report import DeviceReport
 
 from . import gate
 from .conditions import condition, merge_conditions
 from .spec import WeightCacheSpec
 from .views import DaemonPodView, DaemonSetView
 
-# etcd objects are capped at ~1.5 MiB; a 1000-node cache must still fit.
+# etcd objects are capped at ~1.5 MiB and the spec shares the object: the node
+# list is bounded by count and by its encoded size, whatever the reports hold
+# (each report field is bounded by weightcache.report).
 MAX_STATUS_NODES = 200
+MAX_STATUS_NODE_BYTES = 512 * 1024
+# residentBytes is an int64 in the CRD.
+MAX_INT64 = (1 << 63) - 1
+# Node names a condition message lists before it only counts the rest.
+MAX_NAMED_NODES = 10
 
 PHASE_PENDING = "Pending"
 PHASE_LOADING = "Loading"
@@ -23,6 +33,7 @@ PHASE_ERROR = "Error"
 
 INVALID_SPEC = "InvalidSpec"
 RENDER_FAILED = "RenderFailed"
+POLICY_VIOLATION = "PolicyViolation"
 DAEMON_ERROR = "DaemonError"
 
 
@@ -31,6 +42,10 @@ class Event:
     type: str  # Normal | Warning
     reason: str
     message: str
+
+
+# What a node was when its events were last posted: (verified, reason).
+NodeState = tuple[bool, str]
 
 
 @dataclass
@@ -87,20 +102,35 @@ def build_status(
     generation: int,
     old_status: Mapping[str, Any],
     daemonset: DaemonSetView | None,
-    pods: Iterable[DaemonPodView],
+    pods: Iterable[DaemonPodView] = (),
+    verdicts: Mapping[str, gate.Verdict] | None = None,
+    previous: Mapping[str, NodeState] | None = None,
+    node_label: str,
     now: str,
 ) -> Aggregate:
-    pods = list(pods)
-    verdicts = node_verdicts(spec, spec_hash, pods)
+    """The status of a cache from its nodes' verdicts.
+
+    `verdicts` (by node) are judged from `pods`, the ones the cache's own
+    DaemonSet made (`gate.controlled_pods`), unless the caller already has them.
+    `previous` is what each node was when events were last posted; without it,
+    the nodes the old status lists (a fleet's status lists only some).
+    """
+    if verdicts is None:
+        verdicts = node_verdicts(spec, spec_hash, pods)
     desired = max(daemonset.desired if daemonset else 0, len(verdicts))
     ready = sum(v.ok for v in verdicts.values())
 
-    nodes = [_node_entry(spec, node, v) for node, v in sorted(verdicts.items())]
-    current = [e for n in nodes for e in n["gpus"] if n["reason"] != gate.FINGERPRINT_MISMATCH]
-    transports = {g["transport"] for g in current if g["transport"]}
-    expected = [g["expectedBytes"] for g in current]
-    resident = sum(
-        g["preloadedWeightsBytes"] for n in nodes if n["ready"] for g in n["gpus"]
+    # Figures of daemons holding other weights do not describe this cache.
+    current = [
+        r for _, v in sorted(verdicts.items()) if v.reason != gate.FINGERPRINT_MISMATCH
+        for _, r in sorted((v.reports or {}).items())
+    ]
+    transports = {r.transport for r in current if r.transport}
+    expected = [gate.expected_bytes(spec, r.expected_bytes) for r in current]
+    resident = min(
+        MAX_INT64,
+        sum(r.preloaded_weights_bytes for v in verdicts.values() if v.ok
+            for r in (v.reports or {}).values()),
     )
 
     observed = (
@@ -123,7 +153,7 @@ def build_status(
     else:
         phase = PHASE_LOADING
 
-    shown, omitted = _cap_nodes(nodes)
+    shown, omitted = _cap_nodes(spec, verdicts)
     status: dict[str, Any] = {
         "observedGeneration": observed,
         "phase": phase,
@@ -135,6 +165,7 @@ def build_status(
         "ready": f"{ready}/{desired}",
         "residentBytes": resident,
         "resident": human_bytes(resident),
+        "nodeLabel": node_label,
         "nodes": shown,
         "nodesOmitted": omitted,
         "conditions": merge_conditions(
@@ -144,7 +175,10 @@ def build_status(
         ),
     }
     status = {k: v for k, v in status.items() if v is not None}
-    return Aggregate(status, verdicts, _events(old_status, status, verdicts))
+    if previous is None:
+        previous = listed_nodes(old_status)
+    events = node_events(previous, verdicts) + _phase_events(old_status, status)
+    return Aggregate(status, dict(verdicts), events)
 
 
 def _resident_condition(
@@ -169,11 +203,11 @@ def _resident_condition(
 
 
 def _degraded_condition(
-    verdicts: Mapping[str, gate.Verdict], gpus: list[dict[str, Any]]
+    verdicts: Mapping[str, gate.Verdict], reports: list[DeviceReport]
 ) -> dict[str, Any]:
-    errored = [g for g in gpus if g["state"] == "Error"]
+    errored = [r for r in reports if r.state == "Error"]
     if errored:
-        first = errored[0]["message"] or "no message"
+        first = errored[0].message or "no message"
         return condition(
             "Degraded", True, DAEMON_ERROR, f"{len(errored)} GPU(s) report an error: {first}"
         )
@@ -181,8 +215,15 @@ def _degraded_condition(
                          (gate.BYTES_BELOW_EXPECTED, "resident bytes below expected")):
         hit = [n for n, v in sorted(verdicts.items()) if v.reason == reason]
         if hit:
-            return condition("Degraded", True, reason, f"{what} on {', '.join(hit)}")
+            return condition("Degraded", True, reason, f"{what} on {name_some(hit)}")
     return condition("Degraded", False, "AsExpected", "")
+
+
+def name_some(nodes: list[str]) -> str:
+    """The first few names and how many more: a message stays short in any fleet."""
+    named = ", ".join(nodes[:MAX_NAMED_NODES])
+    more = len(nodes) - MAX_NAMED_NODES
+    return f"{named} and {more} more" if more > 0 else named
 
 
 def _progressing_condition(
@@ -219,8 +260,8 @@ def _ready_condition(
 
 def _node_entry(spec: WeightCacheSpec, node: str, verdict: gate.Verdict) -> dict[str, Any]:
     gpus = []
-    if verdict.report is not None:
-        for gpu_id, g in sorted(verdict.report.gpus.items()):
+    if verdict.reports is not None:
+        for gpu_id, g in sorted(verdict.reports.items()):
             entry = {
                 "id": gpu_id,
                 "state": g.state,
@@ -233,6 +274,10 @@ def _node_entry(spec: WeightCacheSpec, node: str, verdict: gate.Verdict) -> dict
             }
             if g.load_seconds is not None:
                 entry["loadSeconds"] = g.load_seconds
+            if g.load_source:
+                entry["loadSource"] = g.load_source
+            if g.seeded_from:
+                entry["seededFrom"] = g.seeded_from
             gpus.append(entry)
     entry: dict[str, Any] = {
         "name": node,
@@ -246,12 +291,27 @@ def _node_entry(spec: WeightCacheSpec, node: str, verdict: gate.Verdict) -> dict
     return entry
 
 
-def _cap_nodes(nodes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    if len(nodes) <= MAX_STATUS_NODES:
-        return nodes, 0
-    # Not-ready nodes are what an operator needs to see; ready ones are counted.
-    keep = sorted(nodes, key=lambda n: n["ready"])[:MAX_STATUS_NODES]
-    return sorted(keep, key=lambda n: n["name"]), len(nodes) - MAX_STATUS_NODES
+def _cap_nodes(
+    spec: WeightCacheSpec, verdicts: Mapping[str, gate.Verdict]
+) -> tuple[list[dict[str, Any]], int]:
+    """The nodes the status lists (by name) and how many it leaves out.
+
+    Not-ready nodes are what an operator needs to see, so they come first;
+    ready ones are counted in readyNodes either way. Only the nodes that can
+    be listed are turned into entries: a fleet's status costs the same to
+    build whatever its size beyond the cap.
+    """
+    order = sorted(verdicts, key=lambda n: (verdicts[n].ok, n))[:MAX_STATUS_NODES]
+    shown: list[dict[str, Any]] = []
+    used = 0
+    for node in order:
+        entry = _node_entry(spec, node, verdicts[node])
+        size = len(json.dumps(entry, separators=(",", ":")))
+        if used + size > MAX_STATUS_NODE_BYTES:
+            break
+        shown.append(entry)
+        used += size
+    return sorted(shown, key=lambda n: n["name"]), len(verdicts) - len(shown)
 
 
 def _transport_summary(reported: set[str], wanted: str) -> str:
@@ -267,20 +327,46 @@ def _cond_message(status: Mapping[str, Any], type_: str) -> str | None:
     return None
 
 
-def _events(
-    old: Mapping[str, Any], new: Mapping[str, Any], verdicts: Mapping[str, gate.Verdict]
+def listed_nodes(status: Mapping[str, Any]) -> dict[str, NodeState]:
+    """What a status says of the nodes it lists."""
+    return {
+        n["name"]: (bool(n.get("ready")), str(n.get("reason") or ""))
+        for n in status.get("nodes") or []
+        if isinstance(n, Mapping) and "name" in n
+    }
+
+
+def node_events(
+    previous: Mapping[str, NodeState], verdicts: Mapping[str, gate.Verdict]
 ) -> list[Event]:
-    before = {n["name"]: n for n in old.get("nodes") or []}
-    events = []
+    """Events for the nodes whose verdict changed since `previous` in a way worth telling.
+
+    A node gets its own event; more than `MAX_NAMED_NODES` nodes changing
+    alike since the last status (a fleet becoming ready, a spec change) get
+    one event per reason that names a few of them, so a status write posts a
+    bounded number of events whatever the fleet.
+    """
+    changed: dict[tuple[str, str], list[tuple[str, gate.Verdict]]] = {}
     for node, verdict in sorted(verdicts.items()):
-        prev = before.get(node)
-        if verdict.ok and not (prev and prev.get("ready")):
-            events.append(Event("Normal", "NodeReady", f"{node}: {verdict.message}"))
-        elif not verdict.ok and (prev is None or prev.get("reason") != verdict.reason):
+        prev = previous.get(node)
+        if verdict.ok and not (prev and prev[0]):
+            changed.setdefault(("Normal", "NodeReady"), []).append((node, verdict))
+        elif not verdict.ok and (prev is None or prev[1] != verdict.reason):
             if verdict.reason in (gate.REPORT_MALFORMED, gate.FINGERPRINT_MISMATCH,
-                                  gate.BYTES_BELOW_EXPECTED) or (prev and prev.get("ready")):
-                events.append(Event("Warning", verdict.reason, f"{node}: {verdict.message}"))
-    if old.get("phase") != new["phase"]:
-        change = f"phase {old.get('phase') or 'None'} -> {new['phase']} ({new['ready']} ready)"
-        events.append(Event("Normal", "PhaseChanged", change))
+                                  gate.BYTES_BELOW_EXPECTED) or (prev and prev[0]):
+                changed.setdefault(("Warning", verdict.reason), []).append((node, verdict))
+    events = []
+    for (type_, reason), hits in changed.items():
+        if len(hits) <= MAX_NAMED_NODES:
+            events += [Event(type_, reason, f"{node}: {verdict.message}") for node, verdict in hits]
+        else:
+            names_ = name_some([node for node, _ in hits])
+            events.append(Event(type_, reason, f"{len(hits)} nodes: {names_}"))
     return events
+
+
+def _phase_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:
+    if old.get("phase") == new["phase"]:
+        return []
+    change = f"phase {old.get('phase') or 'None'} -> {new['phase']} ({new['ready']} ready)"
+    return [Event("Normal", "PhaseChanged", change)]

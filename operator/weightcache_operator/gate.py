@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .report import Report, ReportError, parse_report
+from weightcache.report import DeviceReport, ReportError, decode_pod_reports
+
 from .spec import WeightCacheSpec
-from .views import Condition, DaemonPodView
+from .views import Condition, DaemonPodView, DaemonSetView
 
 WEIGHTS_RESIDENT = "WeightsResident"
 NO_DAEMON_ON_NODE = "NoDaemonOnNode"
@@ -30,7 +31,8 @@ class Verdict:
     reason: str
     message: str
     pod: str | None = None
-    report: Report | None = None
+    # The pod's reports by device, when they could be read.
+    reports: Mapping[str, DeviceReport] | None = None
 
 
 def expected_bytes(spec: WeightCacheSpec, reported: int) -> int:
@@ -39,53 +41,74 @@ def expected_bytes(spec: WeightCacheSpec, reported: int) -> int:
     return reported if pinned is None else pinned
 
 
+def controlled_pods(
+    pods: Iterable[DaemonPodView], daemonset: DaemonSetView | None
+) -> list[DaemonPodView]:
+    """The pods the cache's own DaemonSet made; labels alone prove nothing.
+
+    Anyone who may create pods in the namespace can copy a daemon pod's labels
+    and write a report; only the DaemonSet controller can create a pod whose
+    controller owner reference names the DaemonSet's uid.
+    """
+    if daemonset is None:
+        return []
+    return [p for p in pods if p.controller_uid == daemonset.uid]
+
+
 def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> Verdict:
     """Verdict for one daemon pod; the checks run in the order a reader would debug them."""
 
-    def fail(reason: str, message: str, report: Report | None = None) -> Verdict:
-        return Verdict(False, reason, f"daemon pod {pod.name}: {message}", pod.name, report)
+    def fail(
+        reason: str, message: str, reports: Mapping[str, DeviceReport] | None = None
+    ) -> Verdict:
+        return Verdict(False, reason, f"daemon pod {pod.name}: {message}", pod.name, reports)
 
     if pod.terminating:
         return fail(DAEMON_NOT_READY, "terminating")
-    if pod.report is None:
+    if not pod.reports:
         return fail(DAEMON_NOT_READY, "no report yet")
     try:
-        report = parse_report(pod.report)
+        reports = decode_pod_reports(pod.reports)
     except ReportError as exc:
         return fail(REPORT_MALFORMED, str(exc))
-    if report.spec_hash != spec_hash:
-        return fail(
-            FINGERPRINT_MISMATCH,
-            f"holds weights for spec {report.spec_hash[:12] or '<none>'}, "
-            f"the WeightCache wants {spec_hash[:12]}",
-            report,
-        )
-    if len(report.gpus) < spec.slots:
-        return fail(
-            DAEMON_NOT_READY, f"{len(report.gpus)} of {spec.slots} GPUs reported", report
-        )
-    for gpu, entry in sorted(report.gpus.items()):
+    for device, entry in sorted(reports.items()):
+        if entry.node != pod.node:
+            return fail(
+                REPORT_MALFORMED,
+                f"{device} reports node {entry.node!r}, but the pod runs on {pod.node!r}",
+            )
+    for entry in reports.values():
+        if entry.spec_hash != spec_hash:
+            return fail(
+                FINGERPRINT_MISMATCH,
+                f"holds weights for spec {entry.spec_hash[:12] or '<none>'}, "
+                f"the WeightCache wants {spec_hash[:12]}",
+                reports,
+            )
+    if len(reports) < spec.slots:
+        return fail(DAEMON_NOT_READY, f"{len(reports)} of {spec.slots} GPUs reported", reports)
+    for device, entry in sorted(reports.items()):
         if entry.state != "Ready":
             detail = f": {entry.message}" if entry.message else ""
-            return fail(DAEMON_NOT_READY, f"{gpu} is {entry.state}{detail}", report)
+            return fail(DAEMON_NOT_READY, f"{device} is {entry.state}{detail}", reports)
     tolerance = spec.engine.byte_tolerance
-    for gpu, entry in sorted(report.gpus.items()):
+    for device, entry in sorted(reports.items()):
         want = expected_bytes(spec, entry.expected_bytes)
         if entry.preloaded_weights_bytes < want * (1 - tolerance):
             return fail(
                 BYTES_BELOW_EXPECTED,
-                f"{gpu} holds {entry.preloaded_weights_bytes} bytes, expected {want} "
+                f"{device} holds {entry.preloaded_weights_bytes} bytes, expected {want} "
                 f"(tolerance {tolerance:g})",
-                report,
+                reports,
             )
     if pod.phase != "Running" or not pod.ready:
-        return fail(DAEMON_NOT_READY, f"pod is not Ready (phase {pod.phase})", report)
-    total = sum(e.preloaded_weights_bytes for e in report.gpus.values())
-    transports = ",".join(sorted({e.transport for e in report.gpus.values()}))
+        return fail(DAEMON_NOT_READY, f"pod is not Ready (phase {pod.phase})", reports)
+    total = sum(e.preloaded_weights_bytes for e in reports.values())
+    transports = ",".join(sorted({e.transport for e in reports.values()}))
     return Verdict(
         True, WEIGHTS_RESIDENT,
-        f"daemon pod {pod.name}: {len(report.gpus)} device(s) hold {total} bytes via {transports}",
-        pod.name, report,
+        f"daemon pod {pod.name}: {len(reports)} device(s) hold {total} bytes via {transports}",
+        pod.name, reports,
     )
 
 

@@ -7,11 +7,13 @@ thread so the kopf event loop never blocks on the network.
 from __future__ import annotations
 
 import asyncio
-import os
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes import client, config
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from . import names
 
@@ -21,15 +23,12 @@ JSON_PATCH = "application/json-patch+json"
 APPLY = "application/apply-patch+yaml"
 
 
-def api_client() -> client.ApiClient:
-    """In-cluster credentials inside a pod, else $KUBECONFIG (tests, local runs)."""
-    configuration = client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=configuration)
-    else:
-        # Read $KUBECONFIG now: the client library reads it once, at import.
-        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=configuration)
-    return client.ApiClient(configuration)
+def api_message(exc: ApiException) -> str:
+    """The apiserver's own explanation (e.g. which RBAC verb was missing), if it sent one."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return exc.body or ""
 
 
 class Kube:
@@ -71,3 +70,7 @@ class Kube:
             self.core.patch_node, node, {"metadata": {"labels": dict(labels)}},
             _content_type=MERGE,
         )
+
+    def post_event(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+        # kopf queues the Event and posts it in the background.
+        kopf.event(dict(obj), type=type, reason=reason, message=message)

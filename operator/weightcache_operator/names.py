@@ -1,16 +1,16 @@
 """Kubernetes names the operator, the daemon and the engines agree on."""
 
+import hashlib
+
 GROUP = "weightcache.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "WeightCache"
 PLURAL = "weightcaches"
 
-# Report the daemon writes on its own pod; the operator only reads it.
-REPORT_ANNOTATION = f"{GROUP}/report"
 # Engine pods list this readiness gate; the operator owns the condition.
 GATE_CONDITION = f"{GROUP}/weights-resident"
-# Node label `weightcache.dev/<cache name>=Ready` marks verified-resident weights.
+# Node label `weightcache.dev/<namespace>.<name>=Ready` marks verified-resident weights.
 NODE_LABEL_PREFIX = f"{GROUP}/"
 NODE_LABEL_READY = "Ready"
 
@@ -25,13 +25,26 @@ MANAGER = "weightcache-operator"
 RENDER_HASH_ANNOTATION = f"{GROUP}/render-hash"
 GENERATION_ANNOTATION = f"{GROUP}/generation"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
-SPEC_HASH_ENV = "WEIGHTCACHE_SPEC_HASH"
 
 FINALIZER = f"{GROUP}/cleanup"
 
 
-def node_label_key(cache_name: str) -> str:
-    return NODE_LABEL_PREFIX + cache_name
+# A label key's name part is at most 63 characters.
+MAX_LABEL_NAME = 63
+
+
+def node_label_name(namespace: str, name: str) -> str:
+    """`<namespace>.<name>`, unique per cache (namespaces have no dots); hashed when too long."""
+    full = f"{namespace}.{name}"
+    if len(full) <= MAX_LABEL_NAME:
+        return full
+    digest = hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:16]
+    head = full[: MAX_LABEL_NAME - len(digest) - 1].rstrip("-_.")
+    return f"{head}-{digest}"
+
+
+def node_label_key(namespace: str, name: str) -> str:
+    return NODE_LABEL_PREFIX + node_label_name(namespace, name)
 
 
 def daemonset_name(cache_name: str) -> str:

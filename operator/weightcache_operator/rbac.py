@@ -1,9 +1,9 @@
 """The RBAC rules the operator and the daemon's reporter need: the single source.
 
-The Helm chart's ClusterRole/Role and the tests' roles are built from these
-lists (`python -m weightcache_operator rbac` prints them as YAML), so what is
-tested is what ships. Every verb here is used; the end-to-end test runs the
-operator under exactly these rules.
+`make manifests` writes them into the chart (charts/weightcache-operator/files/,
+included by its ClusterRole and Roles) and the tests build their roles from
+them, so what is tested is what ships. Every verb here is used: the chart's
+end-to-end test removes each in turn and the operator fails on exactly it.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
-# The daemon reads its own pod and patches its report annotation. RBAC cannot
-# name "its own" pod; scope it to the cache's namespace with a RoleBinding.
+# The daemon patches its own report annotation (a merge patch needing no read,
+# so it cannot read other pods' specs or env). RBAC cannot name "its own" pod
+# or one annotation: the chart's report guard (ValidatingAdmissionPolicy) does.
 DAEMON_RULES: list[dict[str, Any]] = [
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
 ]
 
 

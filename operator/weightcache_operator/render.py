@@ -7,12 +7,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from weightcache.report import NODE_NAME_ENV, SPEC_HASH_ENV
+
 from . import names
+from .policy import Policy, PolicyError, check_spec
 from .spec import WeightCacheSpec
 
 # Short on purpose: the daemon binds <root>/<ns>.<name>/gpu-<uuid>.sock inside
 # the container and a Unix socket path must fit in 107 bytes.
 CONTAINER_SOCKET_ROOT = "/run/wc"
+# Where the set-up step sees spec.socketDir (the init container only).
+SETUP_SOCKET_ROOT = "/host/socket-root"
 CONTAINER_MODEL_DIR = "/weightcache/model"
 MAX_SOCKET_PATH_BYTES = 107
 # "gpu-" + "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" + ".sock"
@@ -22,6 +27,10 @@ CLAIM_NAME = "gpus"
 
 class RenderError(ValueError):
     """The spec cannot be turned into a DaemonSet; the message says what to change."""
+
+
+class PolicyViolation(RenderError):
+    """The spec asks for something the cluster's cache policy forbids."""
 
 
 @dataclass(frozen=True)
@@ -51,15 +60,15 @@ def render_hash(manifest: dict[str, Any]) -> str:
 
 
 def render_daemonset(
-    cache: CacheRef, spec: WeightCacheSpec, spec_hash: str, default_image: str | None
+    cache: CacheRef, spec: WeightCacheSpec, spec_hash: str, policy: Policy, operator_uid: int
 ) -> dict[str, Any]:
-    image = spec.sidecar.image or default_image
-    if not image:
-        raise RenderError(
-            "spec.sidecar.image is unset and the operator has no default sidecar image "
-            "(WEIGHTCACHE_SIDECAR_IMAGE)"
-        )
-    cache_dir = f"{cache.namespace}.{cache.name}"
+    """The DaemonSet for `spec`; `RenderError` (`PolicyViolation`) says why there is none."""
+    try:
+        image = check_spec(spec, policy, operator_uid)
+    except PolicyError as exc:
+        raise PolicyViolation(str(exc)) from None
+    assert policy.setup_image is not None  # check_spec refuses a policy without one
+    cache_dir = _cache_dir(cache)
     socket_path = f"{CONTAINER_SOCKET_ROOT}/{cache_dir}/" + "x" * LONGEST_SOCKET_NAME
     if len(socket_path.encode()) > MAX_SOCKET_PATH_BYTES:
         budget = MAX_SOCKET_PATH_BYTES - (len(socket_path) - len(cache_dir)) - 1
@@ -75,7 +84,7 @@ def render_daemonset(
         "app.kubernetes.io/instance": cache.name,
     }
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": spec.sidecar.service_account_name,
+        "serviceAccountName": policy.daemon_service_account,
         "automountServiceAccountToken": True,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
@@ -85,11 +94,11 @@ def render_daemonset(
             "runAsGroup": spec.sidecar.run_as_group,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "initContainers": [_socket_dir_init(spec, image, cache_dir)],
+        "initContainers": [_socket_dir_init(spec, policy.setup_image, cache_dir)],
         "containers": [
             _daemon_container(spec, image, spec_hash, cache, slot) for slot in range(spec.slots)
         ],
-        "volumes": _volumes(spec, cache_dir),
+        "volumes": _volumes(spec),
     }
     # CUDA IPC handles only open in the exporting process's PID and IPC
     # namespaces; the fd-based transports need neither.
@@ -106,10 +115,11 @@ def render_daemonset(
         pod_spec["priorityClassName"] = spec.placement.priority_class_name
     if spec.device == "cuda" and spec.gpu_access.mode == "dra":
         claim = {"name": CLAIM_NAME}
-        if spec.gpu_access.claim_name:
-            claim["resourceClaimName"] = spec.gpu_access.claim_name
+        ref = spec.gpu_access.claim
+        if ref.resource_claim_name:
+            claim["resourceClaimName"] = ref.resource_claim_name
         else:
-            claim["resourceClaimTemplateName"] = spec.gpu_access.claim_template_name
+            claim["resourceClaimTemplateName"] = ref.resource_claim_template_name
         pod_spec["resourceClaims"] = [claim]
 
     manifest: dict[str, Any] = {
@@ -157,26 +167,19 @@ def _hardened() -> dict[str, Any]:
     }
 
 
-def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[str, Any]:
-    # kubelet creates a missing hostPath directory as root 0755; hand it to the
-    # daemon's user so the daemon itself can run without any privilege.
-    mount = f"{CONTAINER_SOCKET_ROOT}/{cache_dir}"
+def _socket_dir_init(spec: WeightCacheSpec, setup_image: str, cache_dir: str) -> dict[str, Any]:
+    # The daemon's socket directory must belong to the daemon's uid, which takes
+    # a chown by root. That step runs from the operator's own image, sees only
+    # the admin-allowed socket root, and refuses symlinks (weightcache_operator.socketdir).
     return {
         "name": "socket-dir",
-        "image": image,
-        **(
-            {"imagePullPolicy": spec.sidecar.image_pull_policy}
-            if spec.sidecar.image_pull_policy
-            else {}
-        ),
+        "image": setup_image,
         "command": [
-            "python3",
-            "-c",
-            # chown only: once the directory is the daemon's, root without
-            # CAP_FOWNER may not chmod it, so a chmod here would fail every
-            # restart after the first. The daemon sets 0750 itself, as owner.
-            "import os, sys; os.chown(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
-            mount,
+            "python",
+            "-m",
+            "weightcache_operator.socketdir",
+            SETUP_SOCKET_ROOT,
+            cache_dir,
             str(spec.sidecar.run_as_user),
             str(spec.sidecar.run_as_group),
         ],
@@ -191,7 +194,7 @@ def _socket_dir_init(spec: WeightCacheSpec, image: str, cache_dir: str) -> dict[
             "requests": {"cpu": "10m", "memory": "32Mi"},
             "limits": {"cpu": "100m", "memory": "64Mi"},
         },
-        "volumeMounts": [{"name": "sockets", "mountPath": mount}],
+        "volumeMounts": [{"name": "socket-root", "mountPath": SETUP_SOCKET_ROOT}],
     }
 
 
@@ -226,9 +229,9 @@ def _daemon_container(
         "--allow-gid",
         str(spec.sidecar.run_as_group),
     ]
-    for uid in spec.sidecar.peer_uids:
+    for uid in sorted(set(spec.sidecar.allowed_peers.uids)):
         args += ["--allow-uid", str(uid)]
-    for gid in spec.sidecar.peer_gids:
+    for gid in sorted(set(spec.sidecar.allowed_peers.gids)):
         args += ["--allow-gid", str(gid)]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
@@ -242,8 +245,8 @@ def _daemon_container(
     env: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
-        _field_env("NODE_NAME", "spec.nodeName"),
-        {"name": names.SPEC_HASH_ENV, "value": spec_hash},
+        _field_env(NODE_NAME_ENV, "spec.nodeName"),
+        {"name": SPEC_HASH_ENV, "value": spec_hash},
         # torch and friends write caches under $HOME; the root fs is read-only.
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -256,10 +259,11 @@ def _daemon_container(
             ]
 
     resources: dict[str, Any] = {}
-    if spec.sidecar.requests:
-        resources["requests"] = dict(spec.sidecar.requests)
-    if spec.sidecar.limits:
-        resources["limits"] = dict(spec.sidecar.limits)
+    # Quantities go out as strings, as the apiserver writes them back.
+    for kind, quantities in (("requests", spec.sidecar.resources.requests),
+                             ("limits", spec.sidecar.resources.limits)):
+        if quantities:
+            resources[kind] = {name: str(value) for name, value in quantities.items()}
     if not cpu and spec.gpu_access.mode == "device-plugin":
         resources.setdefault("requests", {})[spec.gpu_access.resource_name] = "1"
         resources.setdefault("limits", {})[spec.gpu_access.resource_name] = "1"
@@ -289,7 +293,14 @@ def _daemon_container(
         "securityContext": _hardened(),
         "volumeMounts": [
             _model_mount(spec),
-            {"name": "sockets", "mountPath": _socket_mount(cache)},
+            # The cache's directory by subPath: kubelet sets volumes up before the init
+            # container creates it, and resolves a subPath at container start without
+            # following symlinks out of the volume.
+            {
+                "name": "socket-root",
+                "mountPath": _socket_mount(cache),
+                "subPath": _cache_dir(cache),
+            },
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
@@ -300,8 +311,12 @@ def _daemon_container(
     return container
 
 
+def _cache_dir(cache: CacheRef) -> str:
+    return f"{cache.namespace}.{cache.name}"
+
+
 def _socket_mount(cache: CacheRef) -> str:
-    return f"{CONTAINER_SOCKET_ROOT}/{cache.namespace}.{cache.name}"
+    return f"{CONTAINER_SOCKET_ROOT}/{_cache_dir(cache)}"
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -315,7 +330,7 @@ def _model_mount(spec: WeightCacheSpec) -> dict[str, Any]:
     return mount
 
 
-def _volumes(spec: WeightCacheSpec, cache_dir: str) -> list[dict[str, Any]]:
+def _volumes(spec: WeightCacheSpec) -> list[dict[str, Any]]:
     if spec.model.pvc is not None:
         model = {
             "name": "model",
@@ -323,14 +338,11 @@ def _volumes(spec: WeightCacheSpec, cache_dir: str) -> list[dict[str, Any]]:
         }
     else:
         model = {"name": "model", "hostPath": {"path": spec.model.path, "type": "Directory"}}
+    root = spec.socket_dir.rstrip("/")
     return [
         model,
-        {
-            "name": "sockets",
-            "hostPath": {
-                "path": f"{spec.socket_dir.rstrip('/')}/{cache_dir}",
-                "type": "DirectoryOrCreate",
-            },
-        },
+        # The admin-allowed root, for the set-up step alone; kubelet creates it
+        # (root, 0755) on a new node.
+        {"name": "socket-root", "hostPath": {"path": root, "type": "DirectoryOrCreate"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
     ]

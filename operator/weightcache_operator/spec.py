@@ -1,9 +1,12 @@
-"""Parse and validate a WeightCache spec into typed values; compute its hash.
+"""A WeightCache spec as typed values, and its hash.
 
-The CRD schema already rejects most bad input at the apiserver. This module
-checks the same rules again (an older CRD may be installed, or the operator may
-be handed a raw dict in tests) and applies the same defaults, so everything
-downstream works on complete, valid values.
+The structs mirror the CRD (crds/weightcache.dev_weightcaches.yaml): field
+names, types, enums, bounds, patterns and defaults are declared once here as
+msgspec constraints, so decoding alone rejects what the CRD's schema rejects.
+`cross_field_errors` holds the rules that span fields (the CRD's CEL rules).
+The operator parses again what the apiserver already admitted because an older
+CRD may be installed, and tests hand it raw dicts: both layers refuse the same
+input, with the field named (tests/unit/operator/test_crd.py keeps them equal).
 """
 
 from __future__ import annotations
@@ -12,21 +15,26 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
-TRANSPORTS = ("auto", "vmm_fd", "torch_ipc", "memfd")
-DEVICES = ("cuda", "cpu")
-SHARD_PLANS = ("llama",)
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-GPU_ACCESS_MODES = ("visible-devices", "device-plugin", "dra")
-PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+import msgspec
+
+Transport = Literal["auto", "vmm_fd", "torch_ipc", "memfd"]
+Device = Literal["cuda", "cpu"]
+ShardPlan = Literal["llama"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+GpuAccessMode = Literal["visible-devices", "device-plugin", "dra"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+SelectorOperator = Literal["In", "NotIn", "Exists", "DoesNotExist"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
+DEVICES: tuple[str, ...] = get_args(Device)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+GPU_ACCESS_MODES: tuple[str, ...] = get_args(GpuAccessMode)
 
 DEFAULT_SOCKET_DIR = "/var/run/weightcache"
 DEFAULT_HTTP_PORT = 8470
-DEFAULT_RUN_AS = 65532
-DEFAULT_SERVICE_ACCOUNT = "weightcache-daemon"
+# Daemons get a uid of their own: not the operator's (65532), not the engines'.
+DEFAULT_RUN_AS = 65533
 DEFAULT_RESOURCE_NAME = "nvidia.com/gpu"
 DEFAULT_BYTE_TOLERANCE = 0.01
 MAX_GPUS_PER_NODE = 64
@@ -35,7 +43,6 @@ MAX_PEER_IDS = 64
 # The same patterns the CRD uses, so both layers reject the same strings.
 ABS_PATH_RE = re.compile(r"^(/[A-Za-z0-9._@+=,:~-]+)+/?$")
 REL_PATH_RE = re.compile(r"^[A-Za-z0-9._@+=,:~-]+(/[A-Za-z0-9._@+=,:~-]+)*/?$")
-DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 QUANTITY_RE = re.compile(
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -44,56 +51,67 @@ RESOURCE_NAME_RE = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 
+AbsPath = Annotated[str, msgspec.Meta(max_length=4096, pattern=ABS_PATH_RE.pattern)]
+RelPath = Annotated[str, msgspec.Meta(max_length=4096, pattern=REL_PATH_RE.pattern)]
+Name = Annotated[str, msgspec.Meta(max_length=253, pattern=DNS_SUBDOMAIN_RE.pattern)]
+ResourceName = Annotated[str, msgspec.Meta(max_length=253, pattern=RESOURCE_NAME_RE.pattern)]
+GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS_PER_NODE)]
+PeerId = Annotated[int, msgspec.Meta(ge=1)]  # never 0: root as a peer would admit any root process
+PeerIds = Annotated[tuple[PeerId, ...], msgspec.Meta(max_length=MAX_PEER_IDS)]
+Quantity = str | int
+
 
 class SpecError(ValueError):
-    """The spec is invalid; the message names the field."""
+    """The spec is invalid; the message starts with the field."""
 
 
-@dataclass(frozen=True)
-class PvcSource:
-    claim_name: str
-    sub_path: str | None = None
+class _Spec(msgspec.Struct, frozen=True, rename="camel"):
+    """Unknown fields are ignored, as the apiserver prunes them."""
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    path: str | None
-    pvc: PvcSource | None
-    revision: str | None
-    dtype: str
+class PvcSource(_Spec):
+    claim_name: Name
+    sub_path: RelPath | None = None
 
 
-@dataclass(frozen=True)
-class GpuSpec:
-    per_node: int = 1
-    tp_size: int = 1
+class ModelSpec(_Spec):
+    path: AbsPath | None = None
+    pvc: PvcSource | None = None
+    revision: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    dtype: Dtype = "auto"
+
+
+class GpuSpec(_Spec):
+    per_node: GpuCount = 1
+    tp_size: GpuCount = 1
     # How each rank's shard is cut from the checkpoint (weightcache.shard); tp_size > 1 only.
-    shard_plan: str | None = None
+    shard_plan: ShardPlan | None = None
 
 
-@dataclass(frozen=True)
-class GpuAccess:
-    mode: str = "visible-devices"
-    resource_name: str = DEFAULT_RESOURCE_NAME
-    claim_name: str | None = None
-    claim_template_name: str | None = None
+class ClaimRef(_Spec):
+    resource_claim_name: Name | None = None
+    resource_claim_template_name: Name | None = None
 
 
-@dataclass(frozen=True)
-class Requirement:
-    key: str
-    operator: str
+class GpuAccess(_Spec):
+    mode: GpuAccessMode = "visible-devices"
+    resource_name: ResourceName = DEFAULT_RESOURCE_NAME
+    claim: ClaimRef = ClaimRef()
+
+
+class Requirement(_Spec):
+    key: Annotated[str, msgspec.Meta(min_length=1, max_length=317)]
+    operator: SelectorOperator
     values: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class LabelSelector:
-    match_labels: tuple[tuple[str, str], ...] = ()
+class LabelSelector(_Spec):
+    match_labels: dict[str, str] = {}
     match_expressions: tuple[Requirement, ...] = ()
 
     def matches(self, labels: Mapping[str, str]) -> bool:
-        """Kubernetes semantics; an empty selector matches every pod."""
-        for key, value in self.match_labels:
+        """Kubernetes semantics."""
+        for key, value in self.match_labels.items():
             if labels.get(key) != value:
                 return False
         for req in self.match_expressions:
@@ -109,44 +127,49 @@ class LabelSelector:
         return True
 
 
-@dataclass(frozen=True)
-class Placement:
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] | None = None
-    priority_class_name: str | None = None
+class Placement(_Spec):
+    node_selector: dict[str, str] = {}
+    tolerations: tuple[dict[str, Any], ...] = ()
+    affinity: dict[str, Any] | None = None
+    priority_class_name: Name | None = None
 
 
-@dataclass(frozen=True)
-class SidecarSpec:
-    image: str | None = None
-    image_pull_policy: str | None = None
-    requests: Mapping[str, str] = field(default_factory=dict)
-    limits: Mapping[str, str] = field(default_factory=dict)
-    http_port: int = DEFAULT_HTTP_PORT
-    run_as_user: int = DEFAULT_RUN_AS
-    run_as_group: int = DEFAULT_RUN_AS
-    service_account_name: str = DEFAULT_SERVICE_ACCOUNT
+class Resources(_Spec):
+    requests: dict[str, Quantity] = {}
+    limits: dict[str, Quantity] = {}
+
+
+class AllowedPeers(_Spec):
     # Peers the daemon serves besides its own uid and runAsGroup (SO_PEERCRED).
-    peer_uids: tuple[int, ...] = ()
-    peer_gids: tuple[int, ...] = ()
+    uids: PeerIds = ()
+    gids: PeerIds = ()
 
 
-@dataclass(frozen=True)
-class EngineSpec:
+class SidecarSpec(_Spec):
+    image: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    image_pull_policy: PullPolicy | None = None
+    resources: Resources = Resources()
+    http_port: Annotated[int, msgspec.Meta(ge=1024, le=65535 - MAX_GPUS_PER_NODE)] = (
+        DEFAULT_HTTP_PORT
+    )
+    run_as_user: PeerId = DEFAULT_RUN_AS
+    run_as_group: PeerId = DEFAULT_RUN_AS
+    allowed_peers: AllowedPeers = AllowedPeers()
+
+
+class EngineSpec(_Spec):
     selector: LabelSelector | None = None
-    byte_tolerance: float = DEFAULT_BYTE_TOLERANCE
-    expected_bytes: int | None = None
+    byte_tolerance: Annotated[float, msgspec.Meta(ge=0, lt=1)] = DEFAULT_BYTE_TOLERANCE
+    expected_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
-@dataclass(frozen=True)
-class WeightCacheSpec:
+class WeightCacheSpec(_Spec):
     model: ModelSpec
-    device: str = "cuda"
+    device: Device = "cuda"
     gpus: GpuSpec = GpuSpec()
-    transport: str = "auto"
+    transport: Transport = "auto"
     gpu_access: GpuAccess = GpuAccess()
-    socket_dir: str = DEFAULT_SOCKET_DIR
+    socket_dir: AbsPath = DEFAULT_SOCKET_DIR
     placement: Placement = Placement()
     sidecar: SidecarSpec = SidecarSpec()
     engine: EngineSpec = EngineSpec()
@@ -159,29 +182,72 @@ class WeightCacheSpec:
 
 def parse_spec(raw: Any) -> WeightCacheSpec:
     """Typed, defaulted spec; `SpecError` names the first invalid field."""
-    spec = _obj(raw, "spec")
-    device = _enum(spec, "device", "spec", DEVICES, "cuda")
-    transport = _enum(spec, "transport", "spec", TRANSPORTS, "auto")
-    if device == "cpu" and transport not in ("auto", "memfd"):
-        raise SpecError(f"spec.transport: {transport!r} needs a GPU; a cpu cache uses memfd")
-    if device == "cuda" and transport == "memfd":
-        raise SpecError("spec.transport: memfd holds CPU memory; use it with spec.device: cpu")
-    gpus = _gpus(spec)
-    if device == "cpu" and gpus != GpuSpec():
-        raise SpecError(
+    try:
+        spec = msgspec.convert({} if raw is None else raw, type=WeightCacheSpec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(_located(str(exc))) from None
+    errors = cross_field_errors(spec)
+    if errors:
+        raise SpecError(errors[0])
+    return spec
+
+
+def cross_field_errors(spec: WeightCacheSpec) -> list[str]:
+    """What decoding cannot see: rules across fields, and keys of free-form maps."""
+    errors: list[str] = []
+    model = spec.model
+    if (model.path is None) == (model.pvc is None):
+        errors.append("spec.model: set exactly one of path or pvc")
+    for where, path in (("spec.model.path", model.path), ("spec.socketDir", spec.socket_dir),
+                        ("spec.model.pvc.subPath", model.pvc and model.pvc.sub_path)):
+        if path and ".." in path.split("/"):
+            errors.append(f"{where}: '..' segments are not allowed, got {path!r}")
+    if spec.device == "cpu" and spec.transport not in ("auto", "memfd"):
+        errors.append(f"spec.transport: {spec.transport!r} needs a GPU; a cpu cache uses memfd")
+    if spec.device == "cuda" and spec.transport == "memfd":
+        errors.append("spec.transport: memfd holds CPU memory; use it with spec.device: cpu")
+    if spec.device == "cpu" and spec.gpus != GpuSpec():
+        errors.append(
             "spec.gpus: a cpu cache runs one daemon per node; perNode and tpSize must be 1"
         )
-    return WeightCacheSpec(
-        model=_model(spec),
-        device=device,
-        gpus=gpus,
-        transport=transport,
-        gpu_access=_gpu_access(spec),
-        socket_dir=_path(spec, "socketDir", "spec", DEFAULT_SOCKET_DIR, ABS_PATH_RE),
-        placement=_placement(spec),
-        sidecar=_sidecar(spec),
-        engine=_engine(spec),
-    )
+    gpus = spec.gpus
+    if gpus.per_node % gpus.tp_size:
+        errors.append(
+            f"spec.gpus.perNode: {gpus.per_node} is not a multiple of spec.gpus.tpSize "
+            f"{gpus.tp_size}"
+        )
+    if gpus.tp_size > 1 and gpus.shard_plan is None:
+        errors.append("spec.gpus.shardPlan: required when spec.gpus.tpSize > 1")
+    claim = spec.gpu_access.claim
+    if spec.gpu_access.mode == "dra" and (claim.resource_claim_name is None) == (
+        claim.resource_claim_template_name is None
+    ):
+        errors.append(
+            "spec.gpuAccess.claim: mode dra needs exactly one of resourceClaimName or "
+            "resourceClaimTemplateName"
+        )
+    for kind, quantities in (("requests", spec.sidecar.resources.requests),
+                             ("limits", spec.sidecar.resources.limits)):
+        for name, value in quantities.items():
+            where = f"spec.sidecar.resources.{kind}"
+            if not RESOURCE_NAME_RE.match(name):
+                errors.append(f"{where}: {name!r} is not a resource name")
+            if isinstance(value, bool) or not QUANTITY_RE.match(str(value)):
+                errors.append(f"{where}.{name}: {value!r} is not a quantity (e.g. 500m, 2Gi)")
+    selector = spec.engine.selector
+    if selector is not None:
+        if not selector.match_labels and not selector.match_expressions:
+            errors.append(
+                "spec.engine.selector: empty; it would hold every gated pod in the namespace: "
+                "name the engine's labels"
+            )
+        for i, req in enumerate(selector.match_expressions):
+            at = f"spec.engine.selector.matchExpressions[{i}].values"
+            if req.operator in ("In", "NotIn") and not req.values:
+                errors.append(f"{at}: operator {req.operator} needs at least one value")
+            if req.operator in ("Exists", "DoesNotExist") and req.values:
+                errors.append(f"{at}: operator {req.operator} takes no values")
+    return errors
 
 
 def spec_hash(spec: WeightCacheSpec) -> str:
@@ -208,260 +274,11 @@ def spec_hash(spec: WeightCacheSpec) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _obj(value: Any, where: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{where}: must be an object, got {type(value).__name__}")
-    return value
-
-
-def _child(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-    return _obj(parent.get(key), f"{where}.{key}")
-
-
-def _str(
-    parent: Mapping[str, Any], key: str, where: str, default: str | None = None, max_len: int = 4096
-) -> str | None:
-    value = parent.get(key, default)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise SpecError(f"{where}.{key}: must be a non-empty string, got {value!r}")
-    if len(value) > max_len:
-        raise SpecError(f"{where}.{key}: longer than {max_len} characters")
-    return value
-
-
-def _enum(
-    parent: Mapping[str, Any], key: str, where: str, allowed: tuple[str, ...], default: str
-) -> str:
-    value = parent.get(key, default)
-    if value not in allowed:
-        raise SpecError(f"{where}.{key}: must be one of {', '.join(allowed)}; got {value!r}")
-    return value
-
-
-def _int(
-    parent: Mapping[str, Any],
-    key: str,
-    where: str,
-    default: int | None,
-    lo: int,
-    hi: int | None = None,
-) -> int | None:
-    value = parent.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{where}.{key}: must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise SpecError(f"{where}.{key}: must be {bound}, got {value}")
-    return value
-
-
-def _path(
-    parent: Mapping[str, Any], key: str, where: str, default: str | None, pattern: re.Pattern[str]
-) -> str | None:
-    value = _str(parent, key, where, default)
-    if value is None:
-        return None
-    kind = "an absolute" if pattern is ABS_PATH_RE else "a relative"
-    if not pattern.match(value) or ".." in value.split("/"):
-        raise SpecError(f"{where}.{key}: must be {kind} path without '..' segments, got {value!r}")
-    return value
-
-
-def _name(
-    parent: Mapping[str, Any],
-    key: str,
-    where: str,
-    default: str | None = None,
-    pattern: re.Pattern[str] = DNS_SUBDOMAIN_RE,
-) -> str | None:
-    value = _str(parent, key, where, default, max_len=253)
-    if value is not None and not pattern.match(value):
-        raise SpecError(f"{where}.{key}: {value!r} is not a valid Kubernetes name")
-    return value
-
-
-def _model(spec: Mapping[str, Any]) -> ModelSpec:
-    if "model" not in spec:
-        raise SpecError("spec.model: required")
-    model = _child(spec, "model", "spec")
-    path = _path(model, "path", "spec.model", None, ABS_PATH_RE)
-    pvc = None
-    if model.get("pvc") is not None:
-        raw_pvc = _child(model, "pvc", "spec.model")
-        claim = _name(raw_pvc, "claimName", "spec.model.pvc")
-        if claim is None:
-            raise SpecError("spec.model.pvc.claimName: required")
-        pvc = PvcSource(claim, _path(raw_pvc, "subPath", "spec.model.pvc", None, REL_PATH_RE))
-    if (path is None) == (pvc is None):
-        raise SpecError("spec.model: set exactly one of path or pvc")
-    return ModelSpec(
-        path=path,
-        pvc=pvc,
-        revision=_str(model, "revision", "spec.model", max_len=256),
-        dtype=_enum(model, "dtype", "spec.model", DTYPES, "auto"),
-    )
-
-
-def _gpus(spec: Mapping[str, Any]) -> GpuSpec:
-    gpus = _child(spec, "gpus", "spec")
-    per_node = _int(gpus, "perNode", "spec.gpus", 1, 1, MAX_GPUS_PER_NODE)
-    tp_size = _int(gpus, "tpSize", "spec.gpus", 1, 1, MAX_GPUS_PER_NODE)
-    assert per_node is not None and tp_size is not None
-    if per_node % tp_size:
-        raise SpecError(
-            f"spec.gpus.perNode: {per_node} is not a multiple of spec.gpus.tpSize {tp_size}"
-        )
-    plan = gpus.get("shardPlan")
-    if plan is not None and plan not in SHARD_PLANS:
-        allowed = ", ".join(SHARD_PLANS)
-        raise SpecError(f"spec.gpus.shardPlan: must be one of {allowed}; got {plan!r}")
-    if tp_size > 1 and plan is None:
-        raise SpecError("spec.gpus.shardPlan: required when spec.gpus.tpSize > 1")
-    return GpuSpec(per_node, tp_size, plan)
-
-
-def _gpu_access(spec: Mapping[str, Any]) -> GpuAccess:
-    access = _child(spec, "gpuAccess", "spec")
-    where = "spec.gpuAccess"
-    mode = _enum(access, "mode", where, GPU_ACCESS_MODES, "visible-devices")
-    resource = _str(access, "resourceName", where, DEFAULT_RESOURCE_NAME, max_len=253)
-    assert resource is not None
-    if not RESOURCE_NAME_RE.match(resource):
-        raise SpecError(f"{where}.resourceName: {resource!r} is not a resource name")
-    claim = _child(access, "claim", where)
-    claim_name = _name(claim, "resourceClaimName", f"{where}.claim")
-    template = _name(claim, "resourceClaimTemplateName", f"{where}.claim")
-    if mode == "dra" and (claim_name is None) == (template is None):
-        raise SpecError(
-            f"{where}.claim: mode dra needs exactly one of resourceClaimName or "
-            "resourceClaimTemplateName"
-        )
-    return GpuAccess(mode, resource, claim_name, template)
-
-
-def _quantities(parent: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, value in _child(parent, key, where).items():
-        text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-        if not isinstance(text, str) or not QUANTITY_RE.match(text):
-            raise SpecError(f"{where}.{key}.{name}: {value!r} is not a quantity (e.g. 500m, 2Gi)")
-        if not RESOURCE_NAME_RE.match(name):
-            raise SpecError(f"{where}.{key}: {name!r} is not a resource name")
-        out[name] = text
-    return out
-
-
-def _placement(spec: Mapping[str, Any]) -> Placement:
-    place = _child(spec, "placement", "spec")
-    where = "spec.placement"
-    node_selector = dict(_child(place, "nodeSelector", where))
-    for key, value in node_selector.items():
-        if not isinstance(value, str):
-            raise SpecError(f"{where}.nodeSelector.{key}: must be a string, got {value!r}")
-    tolerations = place.get("tolerations") or []
-    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
-        raise SpecError(f"{where}.tolerations: must be a list of objects")
-    affinity = place.get("affinity")
-    if affinity is not None and not isinstance(affinity, Mapping):
-        raise SpecError(f"{where}.affinity: must be an object")
-    return Placement(
-        node_selector=node_selector,
-        tolerations=tuple(dict(t) for t in tolerations),
-        affinity=None if affinity is None else dict(affinity),
-        priority_class_name=_name(place, "priorityClassName", where),
-    )
-
-
-def _sidecar(spec: Mapping[str, Any]) -> SidecarSpec:
-    side = _child(spec, "sidecar", "spec")
-    where = "spec.sidecar"
-    resources = _child(side, "resources", where)
-    policy = side.get("imagePullPolicy")
-    if policy is not None and policy not in PULL_POLICIES:
-        raise SpecError(f"{where}.imagePullPolicy: must be one of {', '.join(PULL_POLICIES)}")
-    port = _int(side, "httpPort", where, DEFAULT_HTTP_PORT, 1024, 65535 - MAX_GPUS_PER_NODE)
-    user = _int(side, "runAsUser", where, DEFAULT_RUN_AS, 1)
-    group = _int(side, "runAsGroup", where, DEFAULT_RUN_AS, 1)
-    account = _name(side, "serviceAccountName", where, DEFAULT_SERVICE_ACCOUNT)
-    assert port is not None and user is not None and group is not None and account is not None
-    peers = _child(side, "allowedPeers", where)
-    return SidecarSpec(
-        image=_str(side, "image", where, max_len=1024),
-        image_pull_policy=policy,
-        requests=_quantities(resources, "requests", f"{where}.resources"),
-        limits=_quantities(resources, "limits", f"{where}.resources"),
-        http_port=port,
-        run_as_user=user,
-        run_as_group=group,
-        service_account_name=account,
-        peer_uids=_ids(peers, "uids", f"{where}.allowedPeers"),
-        peer_gids=_ids(peers, "gids", f"{where}.allowedPeers"),
-    )
-
-
-def _ids(parent: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
-    values = parent.get(key) or []
-    if (
-        not isinstance(values, list)
-        or len(values) > MAX_PEER_IDS
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
-    ):
-        raise SpecError(
-            f"{where}.{key}: must be a list of at most {MAX_PEER_IDS} non-negative integers"
-        )
-    return tuple(sorted(set(values)))
-
-
-def _selector(raw: Any, where: str) -> LabelSelector:
-    sel = _obj(raw, where)
-    labels = _obj(sel.get("matchLabels"), f"{where}.matchLabels")
-    for key, value in labels.items():
-        if not isinstance(value, str):
-            raise SpecError(f"{where}.matchLabels.{key}: must be a string, got {value!r}")
-    exprs = sel.get("matchExpressions") or []
-    if not isinstance(exprs, list):
-        raise SpecError(f"{where}.matchExpressions: must be a list")
-    reqs = []
-    for i, raw_expr in enumerate(exprs):
-        at = f"{where}.matchExpressions[{i}]"
-        expr = _obj(raw_expr, at)
-        key = _str(expr, "key", at, max_len=317)
-        if key is None:
-            raise SpecError(f"{at}.key: required")
-        op = _enum(expr, "operator", at, SELECTOR_OPERATORS, "")
-        values = expr.get("values") or []
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise SpecError(f"{at}.values: must be a list of strings")
-        if op in ("In", "NotIn") and not values:
-            raise SpecError(f"{at}.values: operator {op} needs at least one value")
-        if op in ("Exists", "DoesNotExist") and values:
-            raise SpecError(f"{at}.values: operator {op} takes no values")
-        reqs.append(Requirement(key, op, tuple(values)))
-    return LabelSelector(tuple(sorted(labels.items())), tuple(reqs))
-
-
-def _engine(spec: Mapping[str, Any]) -> EngineSpec:
-    engine = _child(spec, "engine", "spec")
-    where = "spec.engine"
-    tolerance = engine.get("byteTolerance", DEFAULT_BYTE_TOLERANCE)
-    if (
-        isinstance(tolerance, bool)
-        or not isinstance(tolerance, (int, float))
-        or not (0 <= tolerance < 1)
-    ):
-        raise SpecError(f"{where}.byteTolerance: must be a number in [0, 1), got {tolerance!r}")
-    selector = engine.get("selector")
-    return EngineSpec(
-        selector=None if selector is None else _selector(selector, f"{where}.selector"),
-        byte_tolerance=float(tolerance),
-        expected_bytes=_int(engine, "expectedBytes", where, None, 1),
-    )
+def _located(message: str) -> str:
+    """msgspec's "what - at `$.a.b`" as "spec.a.b: what"; a missing field is named itself."""
+    what, _, where = message.partition(" - at `")
+    path = "spec" + where.rstrip("`")[1:] if where else "spec"
+    missing = re.fullmatch(r"Object missing required field `(.+)`", what)
+    if missing:
+        return f"{path}.{missing.group(1)}: required"
+    return f"{path}: {what}"

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightcache.report import report_annotations
+
 from . import names
 
 
@@ -30,6 +32,7 @@ class CacheView:
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
     deleting: bool
+    resource_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,12 @@ class DaemonPodView:
     phase: str
     ready: bool
     terminating: bool
-    report: str | None
+    # The raw `weightcache.dev/report.<device>` annotations, by key.
+    reports: Mapping[str, str]
     spec_hash: str | None
     created: str
+    # uid of the owner reference marked controller (the DaemonSet that made the pod).
+    controller_uid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,11 +61,16 @@ class EnginePodView:
     node: str | None
     gate: Condition | None
     terminating: bool
+    resource_version: str = ""
 
 
 @dataclass(frozen=True)
 class DaemonSetView:
     namespace: str
+    name: str
+    uid: str
+    # uid of the WeightCache that controls it (its owner reference).
+    controller_uid: str | None
     cache: str
     desired: int
     updated: int
@@ -72,11 +83,20 @@ class DaemonSetView:
 @dataclass(frozen=True)
 class NodeView:
     name: str
-    ready_caches: frozenset[str]
+    # Name parts of the `weightcache.dev/<namespace>.<name>=Ready` labels it carries.
+    ready_labels: frozenset[str]
+    resource_version: str = ""
 
 
 def _meta(body: Mapping[str, Any]) -> Mapping[str, Any]:
     return body.get("metadata") or {}
+
+
+def _controller_uid(meta: Mapping[str, Any]) -> str | None:
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
 
 
 def _conditions(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -93,6 +113,7 @@ def cache_view(body: Mapping[str, Any]) -> CacheView:
         spec=copy.deepcopy(dict(body.get("spec") or {})),
         status=copy.deepcopy(dict(body.get("status") or {})),
         deleting=meta.get("deletionTimestamp") is not None,
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
 
 
@@ -109,9 +130,10 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
         phase=status.get("phase") or "Pending",
         ready=ready,
         terminating=meta.get("deletionTimestamp") is not None,
-        report=annotations.get(names.REPORT_ANNOTATION),
+        reports=report_annotations(annotations),
         spec_hash=annotations.get(names.SPEC_HASH_ANNOTATION),
         created=str(meta.get("creationTimestamp") or ""),
+        controller_uid=_controller_uid(meta),
     )
 
 
@@ -137,6 +159,7 @@ def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
         node=(body.get("spec") or {}).get("nodeName"),
         gate=gate,
         terminating=meta.get("deletionTimestamp") is not None,
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
 
 
@@ -147,6 +170,9 @@ def daemonset_view(body: Mapping[str, Any]) -> DaemonSetView:
     applied = annotations.get(names.GENERATION_ANNOTATION)
     return DaemonSetView(
         namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        controller_uid=_controller_uid(meta),
         cache=(meta.get("labels") or {}).get(names.CACHE_LABEL, ""),
         desired=int(status.get("desiredNumberScheduled") or 0),
         updated=int(status.get("updatedNumberScheduled") or 0),
@@ -165,4 +191,5 @@ def node_view(body: Mapping[str, Any]) -> NodeView:
         for key, value in labels.items()
         if key.startswith(names.NODE_LABEL_PREFIX) and value == names.NODE_LABEL_READY
     )
-    return NodeView(name=meta["name"], ready_caches=ready)
+    return NodeView(name=meta["name"], ready_labels=ready,
+                    resource_version=str(meta.get("resourceVersion") or ""))

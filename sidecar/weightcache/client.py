@@ -7,16 +7,23 @@
 
 ``attached.preloaded_weights_bytes`` is what the KV-cache sizing must add
 back (see :mod:`weightcache.kv`).
+
+Before anything is sent or mapped, the engine checks who serves the socket:
+its SO_PEERCRED uid must be an expected daemon uid (:func:`expected_daemon`),
+so a process of another uid listening on the daemon's path is refused
+(:class:`UntrustedDaemon`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
+import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +31,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from weightcache.daemon.server import PeerPolicy
 from weightcache.handback import HandbackServer, offer_handback
 from weightcache.layout import build_views, check_layout
 from weightcache.protocol import (
@@ -43,6 +49,7 @@ from weightcache.protocol import (
     fingerprint,
     validated_preloaded_bytes,
 )
+from weightcache.sockets import PeerPolicy, peer_credentials
 from weightcache.transport import default_client_transports, get_client_transport_backend
 from weightcache.transport.base import ImportedMemory, WeightCacheTransportBackend
 from weightcache.wire import recv_frame, send_message
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 DAEMON_DIED_EXIT_CODE = 75
 # Consecutive failed liveness checks before the watchdog declares the daemon dead.
 WATCHDOG_MISSES = 3
+# Comma-separated uids a daemon may run as; unset: the owner of the socket's directory.
+DAEMON_UIDS_ENV = "WEIGHTCACHE_DAEMON_UIDS"
 
 
 class DaemonError(RuntimeError):
@@ -63,10 +72,93 @@ class DaemonNotReady(DaemonError):
     """The daemon is loading or busy; the same request may succeed later."""
 
 
-def _daemon_error(socket_path: str, message: str | None) -> DaemonError:
-    # The daemon ends every transient refusal ("still loading", "busy") with "; retry".
-    kind = DaemonNotReady if (message or "").endswith("; retry") else DaemonError
-    return kind(f"daemon at {socket_path}: {message}")
+def _daemon_error(socket_path: str, reply: ErrorReply | FetchStateReply) -> DaemonError:
+    # The daemon flags transient refusals (still loading, busy) as retryable.
+    kind = DaemonNotReady if reply.retryable else DaemonError
+    return kind(f"daemon at {socket_path}: {reply.error}")
+
+
+class UntrustedDaemon(DaemonError):
+    """The socket is served by a uid we do not expect (or its directory cannot vouch
+    for one); nothing was sent to it and nothing mapped from it."""
+
+
+@dataclass(frozen=True)
+class DaemonIdentity:
+    """The uids a daemon may run as, and where that expectation came from (for errors)."""
+
+    uids: frozenset[int]
+    source: str
+
+
+def expected_daemon(socket_path: str, daemon_uids: Iterable[int] | None = None) -> DaemonIdentity:
+    """Who may serve ``socket_path``: ``daemon_uids``, else ``$WEIGHTCACHE_DAEMON_UIDS``,
+    else the owner of the socket's directory.
+
+    The last is sound only where nobody else can have put a socket there: the
+    directory must not be a symlink nor writable by group or others, and each
+    directory above it must belong to root, that owner or us and, if others
+    may write it, be sticky. Anything else raises :class:`UntrustedDaemon`
+    saying what to fix.
+    """
+    if daemon_uids is not None:
+        uids = frozenset(daemon_uids)
+        if not uids or any(u < 0 for u in uids):
+            raise ValueError(f"daemon_uids must be non-negative uids, got {sorted(uids)}")
+        return DaemonIdentity(uids, "daemon_uids")
+    configured = os.environ.get(DAEMON_UIDS_ENV, "").strip()
+    if configured:
+        try:
+            uids = frozenset(int(part) for part in configured.split(","))
+        except ValueError:
+            uids = frozenset({-1})
+        if any(u < 0 for u in uids):
+            raise ValueError(
+                f"{DAEMON_UIDS_ENV}={configured!r}: expected comma-separated non-negative uids"
+            )
+        return DaemonIdentity(uids, DAEMON_UIDS_ENV)
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    return DaemonIdentity(frozenset({_vouching_owner(directory)}), f"owner of {directory}")
+
+
+def _vouching_owner(directory: str) -> int:
+    """The owner of ``directory``, if the directory and those above it let nobody else in."""
+    hint = f"; or name the daemon's uid in {DAEMON_UIDS_ENV} / attach(daemon_uids=...)"
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "no weightcache daemon socket directory (daemon not started yet?)",
+            directory,
+        ) from None
+    mode = stat.S_IMODE(info.st_mode)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UntrustedDaemon(
+            f"socket directory {directory} is a symlink or not a directory: its owner "
+            f"cannot vouch for the daemon{hint}"
+        )
+    if mode & 0o022:
+        raise UntrustedDaemon(
+            f"socket directory {directory} (uid {info.st_uid}, mode {mode:04o}) is writable "
+            f"by group or others, so anyone of them could have put the socket there; "
+            f"make it 0750{hint}"
+        )
+    owner = info.st_uid
+    trusted = {0, owner, os.geteuid()}
+    above = os.path.dirname(os.path.realpath(directory))
+    while True:
+        up = os.stat(above)
+        up_mode = stat.S_IMODE(up.st_mode)
+        if up.st_uid not in trusted or (up_mode & 0o022 and not up_mode & stat.S_ISVTX):
+            raise UntrustedDaemon(
+                f"{above} (uid {up.st_uid}, mode {up_mode:04o}), above the socket directory, "
+                f"could be changed by others than root and uid {owner}: the socket "
+                f"directory's owner cannot vouch for the daemon{hint}"
+            )
+        if above == os.path.dirname(above):
+            return owner
+        above = os.path.dirname(above)
 
 
 class ConfigMismatch(DaemonError):
@@ -86,23 +178,33 @@ class AttachedWeights:
     fingerprint: str
     config: CacheConfig | None
     socket_path: str | None
+    # The daemon's uid, checked (SO_PEERCRED) before anything was mapped.
+    daemon_uid: int | None = None
     _memory: ImportedMemory | None = field(default=None, repr=False)
     _watchdog: DaemonWatchdog | None = field(default=None, repr=False)
     _handback: HandbackServer | None = field(default=None, repr=False)
+
+    def ping(self, timeout: float) -> int:
+        """The pid serving our socket, which must run as the daemon uid we attached to."""
+        assert self.socket_path is not None and self.daemon_uid is not None
+        return ping(self.socket_path, timeout, daemon_uids=[self.daemon_uid])
 
     def daemon_alive(self, timeout: float = 2.0) -> bool:
         """Whether the daemon that served these weights still answers (same pid)."""
         if self.socket_path is None:
             return False
         try:
-            return ping(self.socket_path, timeout) == self.daemon_pid
+            return self.ping(timeout) == self.daemon_pid
         except (OSError, RuntimeError):
             return False
 
-    @property
-    def degraded(self) -> bool:
-        """vmm_fd/memfd engines keep serving after their daemon dies; this says so."""
-        return not self.daemon_alive()
+    def allocations(self) -> list[torch.Tensor]:
+        """The mapped allocations themselves (flat uint8), in layout order; empty once closed."""
+        return list(self._memory.buffers) if self._memory is not None else []
+
+    def degraded(self, timeout: float = 2.0) -> bool:
+        """vmm_fd/memfd engines keep serving after their daemon dies; this asks and says so."""
+        return not self.daemon_alive(timeout)
 
     def close(self) -> None:
         """Drop this engine's references; memory is released once no tensor uses it."""
@@ -154,9 +256,9 @@ class DaemonWatchdog:
         """True only for evidence of death: no socket, nobody listening, or a new pid."""
         attached = self._attached
         try:
-            return ping(attached.socket_path, timeout=self._interval * 2) != attached.daemon_pid
-        except (FileNotFoundError, ConnectionRefusedError):
-            return True
+            return attached.ping(timeout=self._interval * 2) != attached.daemon_pid
+        except (FileNotFoundError, ConnectionRefusedError, UntrustedDaemon):
+            return True  # UntrustedDaemon: someone else now holds the socket
         except (OSError, RuntimeError):
             return False  # busy or slow: alive as far as we can tell
 
@@ -164,11 +266,13 @@ class DaemonWatchdog:
         self._stopped.set()
 
 
-def _connect(socket_path: str, timeout: float) -> socket.socket:
+def _connect(socket_path: str, timeout: float, identity: DaemonIdentity) -> socket.socket:
+    """A connection to ``socket_path``, whose listener must run as one of ``identity.uids``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(socket_path)
+        pid, uid, _ = peer_credentials(sock)
     except OSError as exc:
         sock.close()
         if exc.errno is None:
@@ -180,6 +284,13 @@ def _connect(socket_path: str, timeout: float) -> socket.socket:
     except BaseException:
         sock.close()
         raise
+    if uid not in identity.uids:
+        sock.close()
+        raise UntrustedDaemon(
+            f"{socket_path} is served by pid {pid} running as uid {uid}, not by the daemon: "
+            f"expected uid {', '.join(map(str, sorted(identity.uids)))} ({identity.source}); "
+            "refused before sending or mapping anything"
+        )
     return sock
 
 
@@ -199,30 +310,41 @@ def _send(sock: socket.socket, request, socket_path: str, max_frame: int) -> Non
         except (OSError, EOFError, ProtocolError):
             reply = None
         if isinstance(reply, ErrorReply):
-            raise DaemonError(f"daemon at {socket_path}: {reply.error}") from None
+            raise _daemon_error(socket_path, reply) from None
         raise
 
 
-def _request(socket_path: str, request, timeout: float, max_frame: int = DEFAULT_MAX_FRAME):
-    with _connect(socket_path, timeout) as sock:
+def _request(
+    socket_path: str,
+    request,
+    timeout: float,
+    daemon_uids: Iterable[int] | None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+):
+    identity = expected_daemon(socket_path, daemon_uids)
+    with _connect(socket_path, timeout, identity) as sock:
         _send(sock, request, socket_path, max_frame)
         body, _ = recv_frame(sock, max_frame, max_fds=0)
     reply = decode_reply(body)
     if isinstance(reply, ErrorReply):
-        raise _daemon_error(socket_path, reply.error)
+        raise _daemon_error(socket_path, reply)
     return reply
 
 
-def ping(socket_path: str, timeout: float = 5.0) -> int:
-    """The daemon's pid, if it answers."""
-    reply = _request(socket_path, PingRequest(v=1), timeout)
+def ping(
+    socket_path: str, timeout: float = 5.0, *, daemon_uids: Iterable[int] | None = None
+) -> int:
+    """The daemon's pid, if it answers (as an expected uid: see :func:`expected_daemon`)."""
+    reply = _request(socket_path, PingRequest(v=1), timeout, daemon_uids)
     if not isinstance(reply, PingReply):
         raise ProtocolError(f"expected a ping reply, got {type(reply).__name__}")
     return reply.pid
 
 
-def daemon_status(socket_path: str, timeout: float = 5.0) -> DaemonStatus:
-    reply = _request(socket_path, StatusRequest(v=1), timeout)
+def daemon_status(
+    socket_path: str, timeout: float = 5.0, *, daemon_uids: Iterable[int] | None = None
+) -> DaemonStatus:
+    reply = _request(socket_path, StatusRequest(v=1), timeout, daemon_uids)
     if not isinstance(reply, StatusReply):
         raise ProtocolError(f"expected a status reply, got {type(reply).__name__}")
     return reply.status
@@ -243,6 +365,7 @@ def attach(
     handback: bool = True,
     handback_peers: PeerPolicy | None = None,
     wait_ready: float = 0.0,
+    daemon_uids: Iterable[int] | None = None,
 ) -> AttachedWeights:
     """Map the daemon's weights into this process.
 
@@ -254,12 +377,15 @@ def attach(
     daemon) polls the daemon and calls ``on_daemon_death`` (default: exit the
     process with DAEMON_DIED_EXIT_CODE) when it is gone.
     ``handback`` (fd transports): keep the fds and hand them back to a
-    restarting daemon that ``handback_peers`` allows (default: our own uid),
-    so it re-adopts the weights instead of reloading them (see
-    :mod:`weightcache.handback`).
+    restarting daemon running as the uid verified now (plus whom
+    ``handback_peers`` allows), so it re-adopts the weights instead of
+    reloading them (see :mod:`weightcache.handback`).
     ``wait_ready`` seconds: keep retrying while the daemon is not up yet, still
     loading or busy (an engine container usually starts before its daemon is
     ready); 0 fails at once.
+    ``daemon_uids``: the uids the daemon may run as (default: see
+    :func:`expected_daemon`); any other is refused with :class:`UntrustedDaemon`
+    before anything is mapped.
     """
     transports = list(transports or default_client_transports())
     if fallback_model_dir is not None and not os.path.exists(socket_path):
@@ -267,8 +393,9 @@ def attach(
     deadline = time.monotonic() + wait_ready
     while True:
         try:
-            reply, backend, memory = _fetch(
-                socket_path, config, transports, read_write, timeout, max_frame
+            identity = expected_daemon(socket_path, daemon_uids)
+            reply, backend, memory, daemon_uid = _fetch(
+                socket_path, config, transports, read_write, timeout, max_frame, identity
             )
             break
         except (DaemonNotReady, FileNotFoundError, ConnectionRefusedError):
@@ -288,6 +415,7 @@ def attach(
         fingerprint=reply.fingerprint,
         config=reply.config,
         socket_path=socket_path,
+        daemon_uid=daemon_uid,
         _memory=memory,
     )
     on_cuda = any(b.device.type == "cuda" for b in memory.buffers)
@@ -296,9 +424,20 @@ def attach(
     if handback and backend.keeps_fds and memory.fds:
         sizes = reply.layout.allocation_sizes
         attached._handback = offer_handback(
-            socket_path, reply.fingerprint, sizes, memory.fds, handback_peers
+            socket_path,
+            reply.fingerprint,
+            sizes,
+            memory.fds,
+            _handback_policy(daemon_uid, handback_peers),
         )
     return attached
+
+
+def _handback_policy(daemon_uid: int, extra: PeerPolicy | None) -> PeerPolicy:
+    """The daemon uid we verified (its successor runs as the same), and whom ``extra`` adds."""
+    if extra is None:
+        return PeerPolicy(frozenset({daemon_uid}))
+    return PeerPolicy(extra.uids | {daemon_uid}, extra.gids)
 
 
 def _fetch(
@@ -308,23 +447,25 @@ def _fetch(
     read_write: bool,
     timeout: float,
     max_frame: int,
-) -> tuple[FetchStateReply, WeightCacheTransportBackend, ImportedMemory]:
+    identity: DaemonIdentity,
+) -> tuple[FetchStateReply, WeightCacheTransportBackend, ImportedMemory, int]:
     """One fetch_state exchange, and the daemon's allocations mapped into this process."""
-    with _connect(socket_path, timeout) as sock:
+    with _connect(socket_path, timeout, identity) as sock:
+        daemon_uid = peer_credentials(sock)[1]
         request = FetchStateRequest(v=1, config=config, transports=transports)
         _send(sock, request, socket_path, max_frame)
         body, _ = recv_frame(sock, max_frame, max_fds=0)
         reply = _checked_reply(decode_reply(body), config, transports, socket_path)
         backend = get_client_transport_backend(reply.transport_backend, read_write=read_write)
         entries = backend.recv_fetch_state_response(sock, reply, max_frame)
-    return reply, backend, backend.import_tensors(entries)
+    return reply, backend, backend.import_tensors(entries), daemon_uid
 
 
 def _checked_reply(
     reply: object, config: CacheConfig | None, transports: list[str], socket_path: str
 ) -> FetchStateReply:
     if isinstance(reply, ErrorReply):
-        raise _daemon_error(socket_path, reply.error)
+        raise _daemon_error(socket_path, reply)
     if not isinstance(reply, FetchStateReply):
         raise ProtocolError(f"expected a fetch_state reply, got {type(reply).__name__}")
     if reply.status == "mismatch":
@@ -334,7 +475,7 @@ def _checked_reply(
             f"{', '.join(reply.mismatched_fields) or '(unspecified)'}",
         )
     if reply.status == "error":
-        raise _daemon_error(socket_path, reply.error)
+        raise _daemon_error(socket_path, reply)
     # Validate before mapping anything, so a bad reply costs no mapping.
     validated_preloaded_bytes(reply.preloaded_weights_bytes)
     if reply.config is None or reply.layout is None or reply.fingerprint is None:
@@ -389,14 +530,28 @@ def meta_parameters() -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
         if param is not None and not param.is_meta:
-            kind = type(module._parameters[name])
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = _on_meta(param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _on_meta(param: nn.Parameter) -> nn.Parameter:
+    """``param`` on meta, keeping its class and attributes.
+
+    Engines subclass Parameter and hang their loaders on it (vLLM's
+    ``weight_loader``); their constructors take extra arguments, so the meta
+    copy is made without calling them. The attribute dict is shared, not
+    copied: engines set attributes after registering the parameter.
+    """
+    meta = torch.Tensor._make_subclass(
+        type(param), torch.empty_like(param, device="meta"), param.requires_grad
+    )
+    meta.__dict__ = param.__dict__
+    return meta
 
 
 def _check_match(name: str, source: torch.Tensor, target: torch.Tensor) -> None:

@@ -1,14 +1,17 @@
-"""Engines hand their weights' fds back to a restarting daemon.
+"""The engine's side of re-adoption: hand the weights' fds back to a restarting daemon.
 
 An engine attached over an fd transport (vmm_fd, memfd) keeps the fds it
-received. It listens on ``<socket dir>/engines/<pid>-<random>.sock`` (dir
-0750, socket 0660; the random part because engines in different pods share
-the directory and may have the same pid in their own PID namespaces) and
-answers exactly one request, ``readopt``: from a peer whose SO_PEERCRED uid
-or gid is allowed (default: the engine's own uid), naming the socket the
-engine attached to and the fingerprint it holds, it replies with the
-allocation sizes and the fds (SCM_RIGHTS). It keeps serving afterwards,
-since the next restart may come. :func:`ask_for_handback` is the daemon's side.
+received. It listens on ``<socket dir>/engines/<pid>-<random>.sock`` (socket
+0660; the random part because engines in different pods share the directory
+and may have the same pid in their own PID namespaces). The daemon creates
+``engines/`` with mode 3770 and its own group, so engines under other uids in
+the daemon's group can add sockets the daemon may connect to, and none can
+remove another's. The engine answers exactly one request, ``readopt``: from a
+peer whose SO_PEERCRED uid or gid is allowed (:func:`weightcache.client.attach`
+admits the daemon uid it verified at attach), naming the socket the engine
+attached to and the fingerprint it holds, it replies with the allocation sizes
+and the fds (SCM_RIGHTS). It keeps serving afterwards, since the next restart
+may come. The daemon's side is ``weightcache.daemon.readopt``.
 
 The driver refuses to export an *imported* VMM handle again, so a daemon that
 re-adopts serves these very fds (duplicates of its predecessor's exports).
@@ -24,51 +27,19 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
-from weightcache.daemon.server import PeerPolicy, peer_credentials
 from weightcache.protocol import (
+    READOPT_MAX_FRAME,
     ProtocolError,
     ReadoptReply,
     ReadoptRequest,
     check_socket_path,
-    decode_readopt_reply,
     decode_readopt_request,
 )
-from weightcache.wire import PeerClosed, close_fds, recv_frame, send_message
+from weightcache.sockets import PeerPolicy, engines_dir, listen_unix, peer_credentials
+from weightcache.wire import PeerClosed, recv_frame, send_message
 
 log = logging.getLogger(__name__)
-
-ENGINES_DIR = "engines"
-# A readopt request or reply is a few hundred bytes.
-MAX_FRAME = 64 * 1024
-
-
-def engines_dir(daemon_socket_path: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(daemon_socket_path)), ENGINES_DIR)
-
-
-def prepare_engines_dir(daemon_socket_path: str) -> str:
-    """Create the engines' directory 0750 (tightening it if we own it); return its path.
-
-    Daemons create it at start too, so engine pods that mount the socket
-    directory read-only can mount this one writable.
-    """
-    directory = engines_dir(daemon_socket_path)
-    os.makedirs(directory, mode=0o750, exist_ok=True)
-    if os.stat(directory).st_uid == os.getuid():
-        os.chmod(directory, 0o750)
-    return directory
-
-
-def engine_sockets(daemon_socket_path: str) -> list[str]:
-    """Every engine's hand-back socket beside ``daemon_socket_path``, in name order."""
-    directory = engines_dir(daemon_socket_path)
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return [os.path.join(directory, n) for n in sorted(names) if n.endswith(".sock")]
 
 
 class HandbackServer:
@@ -93,11 +64,12 @@ class HandbackServer:
         # Held while fds are sent, so close() never returns mid-send.
         self._lock = threading.Lock()
         self._closed = False
-        directory = prepare_engines_dir(daemon_socket_path)
+        # The daemon creates it (and keeps its mode); an engine only adds its socket.
+        directory = engines_dir(daemon_socket_path)
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(directory, f"{name}.sock")
         check_socket_path(self.path)
-        self._listener = _listen(directory, name, self.path)
+        self._listener = listen_unix(self.path, backlog=8)
         self._thread = threading.Thread(target=self._serve, daemon=True, name="wc-handback")
         self._thread.start()
         atexit.register(self.close)
@@ -134,7 +106,7 @@ class HandbackServer:
             # A deadline for the whole frame: one peer trickling bytes must not
             # hold the (single-threaded) offer for long.
             deadline = time.monotonic() + self._timeout
-            body, _ = recv_frame(conn, MAX_FRAME, max_fds=0, deadline=deadline)
+            body, _ = recv_frame(conn, READOPT_MAX_FRAME, max_fds=0, deadline=deadline)
             request = decode_readopt_request(body)
         except ProtocolError as exc:
             self._refuse(conn, str(exc))
@@ -174,30 +146,6 @@ class HandbackServer:
             os.unlink(self.path)
 
 
-def _listen(directory: str, name: str, path: str) -> socket.socket:
-    """Listen on ``path``, made visible only once it accepts.
-
-    Bound under a temporary name and renamed, so a ``.sock`` that refuses
-    connections is always a dead engine's and daemons may remove it.
-    """
-    tmp = os.path.join(directory, f".{name}.tmp")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o117)  # created 0660: never briefly wider
-    try:
-        listener.bind(tmp)
-        listener.listen(8)
-        os.chmod(tmp, 0o660)
-        os.rename(tmp, path)
-    except BaseException:
-        listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    finally:
-        os.umask(old_umask)
-    return listener
-
-
 def offer_handback(
     daemon_socket_path: str,
     fingerprint: str,
@@ -218,57 +166,3 @@ def offer_handback(
             exc,
         )
         return None
-
-
-# --------------------------------------------------------------------------- daemon side
-
-
-@dataclass
-class HandedBack:
-    pid: int
-    allocation_sizes: list[int]
-    fds: list[int]
-
-
-class EngineGone(ConnectionRefusedError):
-    """Nobody listens on the engine socket (its engine died without removing it), or it is gone."""
-
-
-def ask_for_handback(
-    engine_socket: str,
-    daemon_socket_name: str,
-    fingerprint: str,
-    max_allocations: int,
-    policy: PeerPolicy,
-    timeout: float = 5.0,
-) -> HandedBack:
-    """Ask one engine for its fds; raises with the reason on refusal or a bad reply.
-
-    The engine must run as a peer ``policy`` allows, the same rule the daemon
-    applies to the engines it serves.
-    """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(engine_socket)
-        except (ConnectionRefusedError, FileNotFoundError):
-            raise EngineGone(f"{engine_socket}: nobody listens (engine gone)") from None
-        pid, uid, gid = peer_credentials(sock)
-        if not policy.allows(uid, gid):
-            raise PermissionError(f"engine pid {pid} runs as uid {uid} / gid {gid}: not allowed")
-        request = ReadoptRequest(v=1, socket_name=daemon_socket_name, fingerprint=fingerprint)
-        send_message(sock, request)
-        body, fds = recv_frame(sock, MAX_FRAME, max_fds=max_allocations)
-    try:
-        reply = decode_readopt_reply(body)
-        if reply.status != "ok":
-            raise RuntimeError(f"engine pid {reply.pid} refused: {reply.error}")
-        if len(fds) != len(reply.allocation_sizes):
-            raise ProtocolError(
-                f"engine pid {reply.pid} sent {len(fds)} fds for "
-                f"{len(reply.allocation_sizes)} allocations"
-            )
-    except BaseException:
-        close_fds(fds)
-        raise
-    return HandedBack(reply.pid, reply.allocation_sizes, fds)

@@ -11,7 +11,6 @@ This module is pure (no sockets); :mod:`weightcache.wire` moves frames.
 from __future__ import annotations
 
 import hashlib
-import struct
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,7 +18,8 @@ import msgspec
 PROTOCOL_VERSION = 1
 LAYOUT_VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
-FRAME_HEADER = struct.Struct(">I")
+# A readopt request or reply is a few hundred bytes.
+READOPT_MAX_FRAME = 64 * 1024
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the NUL).
 MAX_SOCKET_PATH_BYTES = 107
 
@@ -171,13 +171,15 @@ class DaemonStatus(msgspec.Struct):
     expected_bytes: NonNegInt
     fingerprint: str | None
     load_seconds: float | None
-    load_source: Literal["disk", "readopted"] | None
+    load_source: Literal["disk", "readopted", "peer"] | None
     readopted: bool
     socket: str
     clients_served: NonNegInt
     error: str | None
     # Why the weights came from where they did (re-adopted, or why not).
     load_reason: str | None = None
+    # load_source "peer": the GPU (UUID, or "cpu") of the daemon the weights were copied from.
+    seeded_from: str | None = None
 
 
 class PingReply(_ReplyMessage, tag="ping_reply"):
@@ -190,6 +192,8 @@ class StatusReply(_ReplyMessage, tag="status_reply"):
 
 class ErrorReply(_ReplyMessage, tag="error"):
     error: str
+    # The same request may succeed later (busy, still loading).
+    retryable: bool = False
 
 
 class FetchStateReply(_ReplyMessage, tag="fetch_state_reply"):
@@ -211,6 +215,8 @@ class FetchStateReply(_ReplyMessage, tag="fetch_state_reply"):
     handles: Any = None
     mismatched_fields: list[str] = []
     error: str | None = None
+    # With status "error": the same request may succeed later (still loading).
+    retryable: bool = False
 
 
 Reply = PingReply | StatusReply | ErrorReply | FetchStateReply
@@ -292,19 +298,6 @@ def validated_preloaded_bytes(value: Any) -> int:
     if value < 0:
         raise RuntimeError(f"daemon sent negative preloaded_weights_bytes ({value})")
     return value
-
-
-def pack_frame_header(length: int, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    if length > max_frame:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
-    return FRAME_HEADER.pack(length)
-
-
-def unpack_frame_header(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:
-    (length,) = FRAME_HEADER.unpack(header)
-    if length > max_frame:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
-    return length
 
 
 def socket_path(socket_dir: str, namespace: str, name: str, gpu_uuid: str | None) -> str:

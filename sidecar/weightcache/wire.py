@@ -10,23 +10,33 @@ from __future__ import annotations
 import array
 import os
 import socket
+import struct
 import time
 
 import msgspec
 
-from weightcache.protocol import (
-    DEFAULT_MAX_FRAME,
-    FRAME_HEADER,
-    ProtocolError,
-    encode,
-    pack_frame_header,
-    unpack_frame_header,
-)
+from weightcache.protocol import DEFAULT_MAX_FRAME, ProtocolError, encode
+
+# Every frame: a 4-byte big-endian body length, then the MessagePack body.
+FRAME_HEADER = struct.Struct(">I")
 
 # The kernel refuses more than SCM_MAX_FD (253) descriptors in one message.
 MAX_FDS_PER_MESSAGE = 253
 # Bodies are read in pieces of at most this, so memory follows the bytes received.
 _RECV_CHUNK = 1 << 20
+
+
+def pack_frame_header(length: int, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return FRAME_HEADER.pack(length)
+
+
+def unpack_frame_header(header: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> int:
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return length
 
 
 class PeerClosed(EOFError):

@@ -60,8 +60,11 @@ class DaemonProcess:
                 self.proc.wait()
 
 
-def start_daemon(tmp: Path, model: Path, *args: str, name: str = "daemon") -> DaemonProcess:
-    socket_path = str(tmp / name / "gpu.sock")
+def start_daemon(
+    tmp: Path, model: Path, *args: str, name: str = "daemon", socket_path: str | None = None
+) -> DaemonProcess:
+    """A daemon on ``socket_path`` (default ``tmp/<name>/gpu.sock``), waited for until ready."""
+    socket_path = socket_path or str(tmp / name / "gpu.sock")
     log = tmp / f"{name}.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(model),

@@ -224,7 +224,7 @@ def test_engine_survives_daemon_kill_under_vmm_fd(llama_dir, daemon_factory):
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
     assert not attached.daemon_alive()
-    assert attached.degraded
+    assert attached.degraded()
     torch.cuda.empty_cache()
     assert torch.equal(llama_logits(model), before)
 

@@ -53,8 +53,8 @@ BYTES_PER_TOKEN = 80 * 8 * 128 * 2 * 2
 PAGE_SIZE = 16
 
 # The stand-in daemon: allocate W bytes, report preloaded_weights_bytes measured as
-# DESIGN.md prescribes for torch_ipc, hold them until told to release, keep the
-# CUDA context until told to exit.
+# docs/design.md ("preloaded_weights_bytes") describes for torch_ipc, hold them until
+# told to release, keep the CUDA context until told to exit.
 HOLDER = r"""
 import json, sys, torch
 device = torch.device("cuda", int(sys.argv[1]))

@@ -30,7 +30,7 @@ from weightcache.daemon.manifest import (
     manifest_path,
     read_manifest,
 )
-from weightcache.handback import engine_sockets
+from weightcache.daemon.readopt import engine_sockets
 
 pytestmark = [
     pytest.mark.gpu,
@@ -232,5 +232,7 @@ def test_with_no_engine_alive_the_daemon_reloads_from_disk(model, run_dir, proce
     second = daemon(run_dir, model, processes)
     status = daemon_status(second.socket_path)
     assert status.load_source == "disk" and not status.readopted
-    assert status.load_reason == "no live engine to re-adopt from (1 dead engine socket(s) removed)"
+    assert status.load_reason.startswith(
+        "no live engine to re-adopt from (1 dead engine socket(s) removed); read from disk: "
+    )
     assert engine_sockets(second.socket_path) == []

@@ -27,13 +27,17 @@ from kubernetes.client.exceptions import ApiException
 
 from tools.testenv.cluster import Cluster
 from tools.testenv.procs import free_ports
+from weightcache.report import NODE_NAME_ENV, SPEC_HASH_ENV, annotation_key, decode_pod_reports
+from weightcache.report import report_annotations as _report_annotations
 from weightcache_operator import names, rbac
+from weightcache_operator.policy import POLICY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD = REPO_ROOT / "crds" / "weightcache.dev_weightcaches.yaml"
 CPU_EXAMPLE = REPO_ROOT / "crds" / "examples" / "minilm-cpu.yaml"
 DAEMON_SA = "weightcache-daemon"
 DAEMON_COMMAND = [sys.executable, "-m", "weightcache.daemon.cli"]
+SOCKET_ROOT = "/var/run/weightcache"
 T = TypeVar("T")
 
 
@@ -71,6 +75,17 @@ def minilm_tensor_bytes() -> int:
     return total
 
 
+def operator_policy() -> dict[str, Any]:
+    """The cache policy the tests' operators run with: the chart's defaults plus MiniLM."""
+    return {
+        "setupImage": "localhost/weightcache-operator:test",
+        "sidecarImage": "localhost/weightcache-sidecar:test",
+        "daemonServiceAccount": DAEMON_SA,
+        "allowedHostPaths": {"socketDirs": [SOCKET_ROOT], "modelDirs": [str(minilm_dir())]},
+        "allowedTransports": ["auto", "vmm_fd", "memfd"],
+    }
+
+
 def apply(cluster: Cluster, *docs: dict[str, Any], kubeconfig: Path | None = None) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
                     input=yaml.safe_dump_all(docs), kubeconfig_path=kubeconfig)
@@ -101,7 +116,7 @@ def install_operator_account(cluster: Cluster, namespace: str, name: str) -> Pat
 
 
 def install_daemon_account(cluster: Cluster, namespace: str) -> Path:
-    """The reporter's ServiceAccount: get/patch pods in its namespace only."""
+    """The reporter's ServiceAccount: patch pods in its namespace only."""
     apply(
         cluster,
         {"apiVersion": "v1", "kind": "ServiceAccount",
@@ -118,6 +133,7 @@ def weightcache(namespace: str, name: str, node: str, **spec: Any) -> dict[str, 
     doc = yaml.safe_load(CPU_EXAMPLE.read_text())
     doc["metadata"] = {"name": name, "namespace": namespace}
     doc["spec"]["model"]["path"] = str(minilm_dir())
+    doc["spec"]["socketDir"] = SOCKET_ROOT
     doc["spec"]["placement"] = {"nodeSelector": {"kubernetes.io/hostname": node}}
     doc["spec"]["engine"]["selector"] = {"matchLabels": {"app": f"{name}-engine"}}
     doc["spec"].update(spec)
@@ -178,8 +194,13 @@ class Api:
             raise
 
     def daemon_pods(self, namespace: str, cache: str) -> list[k8s.V1Pod]:
-        return self.core.list_namespaced_pod(
-            namespace, label_selector=f"{names.CACHE_LABEL}={cache}").items
+        """The pods the cache's DaemonSet made (labels alone can be copied by anyone)."""
+        return [
+            p for p in self.core.list_namespaced_pod(
+                namespace, label_selector=f"{names.CACHE_LABEL}={cache}").items
+            if any(ref.kind == "DaemonSet" and ref.controller
+                   for ref in p.metadata.owner_references or [])
+        ]
 
     def engine_pods(self, namespace: str, cache: str, version: str | None = None
                     ) -> list[k8s.V1Pod]:
@@ -220,15 +241,22 @@ def rollout_complete(api: Api, namespace: str, name: str) -> bool:
 class OperatorProcess:
     """`python -m weightcache_operator run` with only the given kubeconfig's rights."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
+    def __init__(self, kubeconfig: Path, log_path: Path,
+                 policy: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
+        self.policy = policy if policy is not None else operator_policy()
+        # Extra environment, e.g. PYTHONPATH to run another checkout's operator.
+        self.extra_env = dict(env or {})
         self.metrics_port, self.liveness_port = free_ports(2)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env["KUBECONFIG"] = str(self.kubeconfig)
+        env[POLICY_ENV] = json.dumps(self.policy)
+        env.update(self.extra_env)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weightcache_operator", "run",
@@ -253,6 +281,12 @@ class OperatorProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
                                     timeout=5) as resp:
             return resp.read().decode()
+
+    def reconciles(self, kind: str) -> float:
+        """How many reconcile passes of `kind` (cache, engine_pod, node) this process made."""
+        prefix = f'weightcache_operator_reconciles_total{{kind="{kind}"}} '
+        lines = [line for line in self.metrics().splitlines() if line.startswith(prefix)]
+        return float(lines[0].split()[-1]) if lines else 0.0
 
     def check_running(self) -> None:
         assert self.proc is not None
@@ -284,9 +318,9 @@ class DaemonProcess:
     """The real daemon on the MiniLM checkpoint, reporting into a kwok daemon pod."""
 
     def __init__(self, kubeconfig: Path, namespace: str, cache: str, pod: str, spec_hash: str,
-                 log_path: Path) -> None:
+                 log_path: Path, node: str) -> None:
         self.kubeconfig = kubeconfig
-        self.namespace, self.cache, self.pod = namespace, cache, pod
+        self.namespace, self.cache, self.pod, self.node = namespace, cache, pod, node
         self.spec_hash = spec_hash
         self.log_path = log_path
         # Short: the socket path must fit in 107 bytes.
@@ -297,7 +331,8 @@ class DaemonProcess:
         (http_port,) = free_ports(1)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env.update(KUBECONFIG=str(self.kubeconfig), POD_NAME=self.pod,
-                   POD_NAMESPACE=self.namespace, **{names.SPEC_HASH_ENV: self.spec_hash})
+                   POD_NAMESPACE=self.namespace,
+                   **{SPEC_HASH_ENV: self.spec_hash, NODE_NAME_ENV: self.node})
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [*DAEMON_COMMAND, "serve",
@@ -322,11 +357,118 @@ class DaemonProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def report_of(pod: k8s.V1Pod) -> dict[str, Any] | None:
-    raw = (pod.metadata.annotations or {}).get(names.REPORT_ANNOTATION)
-    return None if raw is None else json.loads(raw)
+def reports_of(pod: k8s.V1Pod) -> dict[str, Any]:
+    """The pod's device reports, decoded as the operator decodes them."""
+    return decode_pod_reports(_report_annotations(pod.metadata.annotations or {}))
+
+
+CPU_REPORT = annotation_key("cpu")
 
 
 def template_spec_hash(ds: k8s.V1DaemonSet) -> str:
     (container,) = ds.spec.template.spec.containers
-    return next(e.value for e in container.env if e.name == names.SPEC_HASH_ENV)
+    return next(e.value for e in container.env if e.name == SPEC_HASH_ENV)
+
+
+def operator_rules(cluster: Cluster, home: str, account: str, rules: list[dict[str, Any]]
+                   ) -> None:
+    """Replace the operator's ClusterRole rules and wait until the apiserver enforces them."""
+    apply(cluster, rbac.cluster_role(operator_role_name(home, account), rules))
+    status_rule = {
+        "apiGroups": [names.GROUP],
+        "resources": [f"{names.PLURAL}/status"],
+        "verbs": ["patch"],
+    }
+    want = "yes" if status_rule in rules else "no"
+    eventually(
+        f"the operator's status patch is allowed: {want}",
+        lambda: (
+            cluster.kubectl(
+                "auth",
+                "can-i",
+                "patch",
+                f"{names.PLURAL}.{names.GROUP}",
+                "--subresource=status",
+                f"--as=system:serviceaccount:{home}:{account}",
+                "-A",
+                check=False,
+            ).stdout.strip()
+            == want
+        ),
+    )
+
+
+class Scene:
+    """One WeightCache on one kwok node, its daemon account, and the daemons started."""
+
+    def __init__(self, cluster: Cluster, api: Api, namespace: str, operator: OperatorProcess,
+                 logs: Path, name: str | None = None) -> None:
+        self.cluster, self.api, self.namespace, self.operator = cluster, api, namespace, operator
+        self.name = name or f"mini-{namespace[2:8]}"
+        self.node = cluster.node_names[0]
+        self.logs = logs
+        self.daemon_kubeconfig = install_daemon_account(cluster, namespace)
+        self.daemons: list[DaemonProcess] = []
+
+    def apply_cache(self, **spec: object) -> None:
+        apply(self.cluster, weightcache(self.namespace, self.name, self.node, **spec))
+
+    def daemon_pod(self) -> k8s.V1Pod:
+        def running() -> k8s.V1Pod | None:
+            pods = [p for p in self.api.daemon_pods(self.namespace, self.name)
+                    if p.spec.node_name == self.node and p.status.phase == "Running"
+                    and p.metadata.deletion_timestamp is None]
+            return pods[0] if pods else None
+
+        return eventually("the daemon pod runs on the kwok node", running)
+
+    def spec_hash(self) -> str:
+        ds = eventually("the DaemonSet exists", lambda: self.api.daemonset(self.namespace,
+                                                                           self.name))
+        return template_spec_hash(ds)
+
+    def start_daemon(self, spec_hash: str | None = None) -> DaemonProcess:
+        daemon = DaemonProcess(
+            self.daemon_kubeconfig, self.namespace, self.name, self.daemon_pod().metadata.name,
+            spec_hash or self.spec_hash(), self.logs / f"daemon-{len(self.daemons)}.log",
+            self.node,
+        )
+        daemon.start()
+        self.daemons.append(daemon)
+        return daemon
+
+    def deploy_engine(self, version: str, gated: bool) -> None:
+        apply(self.cluster, engine_deployment(self.namespace, self.name, self.node, version,
+                                              gated))
+
+    def engine(self, version: str, gate: tuple[str, str]) -> k8s.V1Pod:
+        return eventually(
+            f"engine {version} pod gate is {gate}",
+            lambda: next((p for p in self.api.engine_pods(self.namespace, self.name, version)
+                          if gate_of(p) == gate), None),
+        )
+
+    def rolled_out(self) -> None:
+        eventually("the engine rollout completes",
+                   lambda: rollout_complete(self.api, self.namespace, f"{self.name}-engine"))
+
+    def status_where(self, what: str, check: Callable[[dict], bool]) -> dict:
+        def probe() -> dict | None:
+            status = self.api.status(self.namespace, self.name)
+            return status if check(status) else None
+
+        return eventually(what, probe)
+
+    def label(self) -> str | None:
+        return self.api.node_labels(self.node).get(names.node_label_key(self.namespace, self.name))
+
+    def wc_table(self) -> list[list[str]]:
+        out = self.cluster.kubectl("get", "wc", self.name, "-n", self.namespace).stdout
+        return [line.split() for line in out.splitlines()]
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
+        # Delete while the operator runs, so its finalizer cleans node labels.
+        self.cluster.kubectl("delete", "wc", self.name, "-n", self.namespace,
+                             "--ignore-not-found", "--timeout=60s", check=False)

@@ -7,145 +7,29 @@ from __future__ import annotations
 
 import json
 import subprocess
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from kubernetes import client as k8s
 
 from tests.k8s.operator_flow import (
+    CPU_REPORT,
+    SOCKET_ROOT,
     Api,
-    DaemonProcess,
     OperatorProcess,
-    apply,
-    engine_deployment,
+    Scene,
     eventually,
     gate_of,
     install_crd,
-    install_daemon_account,
-    install_operator_account,
     is_ready,
     minilm_tensor_bytes,
-    report_of,
-    rollout_complete,
+    reports_of,
     template_spec_hash,
     weightcache,
 )
 from tools.testenv.cluster import Cluster
-from weightcache_operator import names
 
 pytestmark = pytest.mark.k8s
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[OperatorProcess]:
-    install_crd(cluster)
-    home = f"wc-operator-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", home)
-    kubeconfig = install_operator_account(cluster, home, "weightcache-operator")
-    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-
-
-@pytest.fixture
-def api(k8s_api: k8s.ApiClient) -> Api:
-    return Api(k8s_api)
-
-
-class Scene:
-    """One WeightCache on one kwok node, its daemon account, and the daemons started."""
-
-    def __init__(self, cluster: Cluster, api: Api, namespace: str, operator: OperatorProcess,
-                 logs: Path) -> None:
-        self.cluster, self.api, self.namespace, self.operator = cluster, api, namespace, operator
-        self.name = f"mini-{namespace[2:8]}"
-        self.node = cluster.node_names[0]
-        self.logs = logs
-        self.daemon_kubeconfig = install_daemon_account(cluster, namespace)
-        self.daemons: list[DaemonProcess] = []
-
-    def apply_cache(self, **spec: object) -> None:
-        apply(self.cluster, weightcache(self.namespace, self.name, self.node, **spec))
-
-    def daemon_pod(self) -> k8s.V1Pod:
-        def running() -> k8s.V1Pod | None:
-            pods = [p for p in self.api.daemon_pods(self.namespace, self.name)
-                    if p.spec.node_name == self.node and p.status.phase == "Running"
-                    and p.metadata.deletion_timestamp is None]
-            return pods[0] if pods else None
-
-        return eventually("the daemon pod runs on the kwok node", running)
-
-    def spec_hash(self) -> str:
-        ds = eventually("the DaemonSet exists", lambda: self.api.daemonset(self.namespace,
-                                                                           self.name))
-        return template_spec_hash(ds)
-
-    def start_daemon(self, spec_hash: str | None = None) -> DaemonProcess:
-        daemon = DaemonProcess(
-            self.daemon_kubeconfig, self.namespace, self.name, self.daemon_pod().metadata.name,
-            spec_hash or self.spec_hash(), self.logs / f"daemon-{len(self.daemons)}.log",
-        )
-        daemon.start()
-        self.daemons.append(daemon)
-        return daemon
-
-    def deploy_engine(self, version: str, gated: bool) -> None:
-        apply(self.cluster, engine_deployment(self.namespace, self.name, self.node, version,
-                                              gated))
-
-    def engine(self, version: str, gate: tuple[str, str]) -> k8s.V1Pod:
-        return eventually(
-            f"engine {version} pod gate is {gate}",
-            lambda: next((p for p in self.api.engine_pods(self.namespace, self.name, version)
-                          if gate_of(p) == gate), None),
-        )
-
-    def rolled_out(self) -> None:
-        eventually("the engine rollout completes",
-                   lambda: rollout_complete(self.api, self.namespace, f"{self.name}-engine"))
-
-    def status_where(self, what: str, check: Callable[[dict], bool]) -> dict:
-        def probe() -> dict | None:
-            status = self.api.status(self.namespace, self.name)
-            return status if check(status) else None
-
-        return eventually(what, probe)
-
-    def label(self) -> str | None:
-        return self.api.node_labels(self.node).get(names.node_label_key(self.name))
-
-    def wc_table(self) -> list[list[str]]:
-        out = self.cluster.kubectl("get", "wc", self.name, "-n", self.namespace).stdout
-        return [line.split() for line in out.splitlines()]
-
-    def close(self) -> None:
-        for daemon in self.daemons:
-            daemon.stop()
-        # Delete while the operator runs, so its finalizer cleans node labels.
-        self.cluster.kubectl("delete", "wc", self.name, "-n", self.namespace,
-                             "--ignore-not-found", "--timeout=60s", check=False)
-
-
-@pytest.fixture
-def scene(cluster: Cluster, api: Api, namespace: str, operator: OperatorProcess,
-          tmp_path: Path) -> Iterator[Scene]:
-    s = Scene(cluster, api, namespace, operator, tmp_path)
-    yield s
-    s.close()
-    for daemon in s.daemons:
-        print(f"--- {daemon.log_path}\n{daemon.log_tail()}")
-    print(f"--- operator log\n{operator.log_tail()}")
-
-
-def reconciles(operator: OperatorProcess, kind: str) -> float:
-    prefix = f'weightcache_operator_reconciles_total{{kind="{kind}"}} '
-    lines = [line for line in operator.metrics().splitlines() if line.startswith(prefix)]
-    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def node_entry(status: dict) -> dict:
@@ -257,8 +141,8 @@ def test_operator_killed_mid_rollout_converges(scene: Scene, api: Api,
         daemon = scene.start_daemon()
         eventually(
             "the daemon reports without the operator",
-            lambda: (report_of(api.core.read_namespaced_pod(daemon.pod, ns)) or {})
-            .get("gpus", {}).get("cpu", {}).get("state") == "Ready",
+            lambda: getattr(reports_of(api.core.read_namespaced_pod(daemon.pod, ns)).get("cpu"),
+                            "state", None) == "Ready",
         )
         # Nobody else opens the gate.
         (v2,) = api.engine_pods(ns, name, "v2")
@@ -279,7 +163,7 @@ def test_operator_killed_mid_rollout_converges(scene: Scene, api: Api,
     operator.stop()
     operator.start()
     eventually("the restarted operator re-judged the engine pod",
-               lambda: reconciles(operator, "engine_pod") >= 1)
+               lambda: operator.reconciles("engine_pod") >= 1)
     after = api.core.read_namespaced_pod(v2.metadata.name, ns)
     assert after.metadata.resource_version == before.metadata.resource_version
     assert api.status(ns, name) == status
@@ -313,6 +197,11 @@ def test_deleting_the_cache_cleans_up(scene: Scene, api: Api) -> None:
          "spec.sidecar.resources.requests.memory"),
         ({"model": {"path": "models/relative"}}, "spec.model.path"),
         ({"socketDir": "/run/../etc"}, "spec.socketDir"),
+        # Root as a peer would let any root process on the node map the weights.
+        ({"sidecar": {"allowedPeers": {"uids": [0]}}}, "spec.sidecar.allowedPeers.uids[0]"),
+        ({"sidecar": {"allowedPeers": {"gids": [0]}}}, "spec.sidecar.allowedPeers.gids[0]"),
+        # An empty selector would hold every gated pod of the namespace closed.
+        ({"engine": {"selector": {}}}, "spec.engine.selector: empty"),
     ],
 )
 def test_invalid_caches_are_rejected_naming_the_field(
@@ -331,26 +220,33 @@ def test_invalid_caches_are_rejected_naming_the_field(
     assert field in err.value.stderr
 
 
+def forged_report(node: str, **changes: Any) -> str:
+    """A report as the daemon writes it, with fields an attacker or a bug changed."""
+    body = {"v": 1, "device": "cpu", "node": node, "specHash": "0" * 64, "state": "Ready",
+            "preloadedWeightsBytes": 1, "expectedBytes": 1, **changes}
+    return json.dumps(body)
+
+
 @pytest.mark.parametrize(
     ("raw", "detail"),
     [
-        ("{not json", "not JSON"),
-        (json.dumps({"v": 1, "specHash": "x", "gpus": {"cpu": {
-            "state": "Ready", "preloadedWeightsBytes": -1, "expectedBytes": 1}}}),
+        (lambda node: "{not json", "not JSON"),
+        (lambda node: forged_report(node, preloadedWeightsBytes=-1), "preloadedWeightsBytes"),
+        # Past int64: once, this passed decoding and the status write then failed with 422.
+        (lambda node: forged_report(node, preloadedWeightsBytes=2**64 - 1),
          "preloadedWeightsBytes"),
-        (json.dumps({"v": 1, "specHash": "x", "gpus": {}, "pad": "x" * (100 * 1024)}),
-         "over the 65536 cap"),
+        (lambda node: forged_report(node, pad="x" * (100 * 1024)), "over the 4096-byte cap"),
     ],
-    ids=["not-json", "negative-bytes", "oversized"],
+    ids=["not-json", "negative-bytes", "past-int64", "oversized"],
 )
 def test_malformed_report_is_ignored_with_an_event(
-    scene: Scene, api: Api, operator: OperatorProcess, raw: str, detail: str
+    scene: Scene, api: Api, operator: OperatorProcess, raw: Callable[[str], str], detail: str
 ) -> None:
     ns, name = scene.namespace, scene.name
     scene.apply_cache()
     pod = scene.daemon_pod()
     api.core.patch_namespaced_pod(pod.metadata.name, ns, {"metadata": {"annotations": {
-        names.REPORT_ANNOTATION: raw}}})
+        CPU_REPORT: raw(pod.spec.node_name)}}})
     status = scene.status_where("status flags the report",
                                 lambda s: node_entry(s).get("reason") == "ReportMalformed")
     assert detail in node_entry(status)["message"]
@@ -365,19 +261,30 @@ def test_malformed_report_is_ignored_with_an_event(
     scene.status_where("the node is verified", lambda s: s.get("readyNodes") == 1)
 
 
-def test_unrenderable_spec_is_reported_not_crashed(scene: Scene, api: Api,
-                                                   operator: OperatorProcess) -> None:
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        # Inside another cache's directory, where that cache's daemon could plant a symlink.
+        ({"socketDir": f"{SOCKET_ROOT}/other.cache"}, "spec.socketDir"),
+        ({"socketDir": "/etc"}, "spec.socketDir"),
+        ({"model": {"path": "/etc"}}, "spec.model.path"),
+        ({"transport": "torch_ipc", "device": "cuda"}, "spec.transport"),
+    ],
+    ids=["other-cache-dir", "etc", "model-etc", "torch-ipc"],
+)
+def test_policy_violation_is_refused_naming_the_field_until_fixed(
+    scene: Scene, api: Api, operator: OperatorProcess, change: dict, field: str
+) -> None:
+    """Admitted without the chart's admission policy, the operator still renders nothing."""
     ns, name = scene.namespace, scene.name
-    doc = weightcache(ns, name, scene.node)
-    del doc["spec"]["sidecar"]["image"]  # and the operator runs without a default image
-    apply(scene.cluster, doc)
-    status = scene.status_where("the cache reports the render error",
+    scene.apply_cache(**change)
+    status = scene.status_where("the cache reports the refusal",
                                 lambda s: s.get("phase") == "Error")
-    assert condition(status, "Degraded") == ("True", "RenderFailed")
-    assert "spec.sidecar.image" in next(
-        c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+    assert condition(status, "Degraded") == ("True", "PolicyViolation")
+    message = next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+    assert message.startswith(field), message
     assert api.daemonset(ns, name) is None
-    assert eventually("a RenderFailed event", lambda: api.events(ns, name, "RenderFailed"))
+    assert eventually("a PolicyViolation event", lambda: api.events(ns, name, "PolicyViolation"))
     operator.check_running()
 
     scene.apply_cache()

@@ -10,7 +10,6 @@ Waits poll for a state with a generous bound; nothing asserts on time.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from tests.k8s.conftest import OPERATOR_SA
 from tests.k8s.operator_flow import (
     Api,
     DaemonProcess,
@@ -26,10 +26,8 @@ from tests.k8s.operator_flow import (
     apply,
     eventually,
     gate_of,
-    install_crd,
     install_daemon_account,
-    install_operator_account,
-    operator_role_name,
+    operator_rules,
     template_spec_hash,
     weightcache,
 )
@@ -44,58 +42,6 @@ POOL_LABEL = "weightcache.dev/test-pool"
 HOLD = "weightcache.dev/test-hold"
 
 
-OPERATOR_SA = "weightcache-operator"
-
-
-@pytest.fixture(scope="module")
-def operator_home(cluster: Cluster) -> str:
-    install_crd(cluster)
-    home = f"wc-operator-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", home)
-    return home
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, operator_home: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    kubeconfig = install_operator_account(cluster, operator_home, OPERATOR_SA)
-    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-
-
-def operator_rules(cluster: Cluster, home: str, rules: list[dict[str, Any]]) -> None:
-    """Replace the operator's ClusterRole rules and wait until the apiserver enforces them."""
-    apply(cluster, rbac.cluster_role(operator_role_name(home, OPERATOR_SA), rules))
-    status_rule = {
-        "apiGroups": [names.GROUP],
-        "resources": [f"{names.PLURAL}/status"],
-        "verbs": ["patch"],
-    }
-    want = "yes" if status_rule in rules else "no"
-    eventually(
-        f"the operator's status patch is allowed: {want}",
-        lambda: (
-            cluster.kubectl(
-                "auth",
-                "can-i",
-                "patch",
-                f"{names.PLURAL}.{names.GROUP}",
-                "--subresource=status",
-                f"--as=system:serviceaccount:{home}:{OPERATOR_SA}",
-                "-A",
-                check=False,
-            ).stdout.strip()
-            == want
-        ),
-    )
-
-
-@pytest.fixture
-def api(k8s_api: k8s.ApiClient) -> Api:
-    return Api(k8s_api)
 
 
 def create_kwok_node(cluster: Cluster, api: Api, name: str, pool: str) -> None:
@@ -204,6 +150,7 @@ class PoolScene:
             self.daemon_pod(node).metadata.name,
             spec_hash or self.spec_hash(),
             self.logs / f"daemon-{node}-{len(list(self.logs.glob('daemon-*')))}.log",
+            node,
         )
         daemon.start()
         self.daemons[node] = daemon
@@ -233,7 +180,7 @@ class PoolScene:
         return eventually(f"engine gate on {node} {what}", probe)
 
     def label(self, node: str) -> str | None:
-        return self.api.node_labels(node).get(names.node_label_key(self.name))
+        return self.api.node_labels(node).get(names.node_label_key(self.namespace, self.name))
 
     def status_where(self, what: str, check: Callable[[dict], bool]) -> dict:
         def probe() -> dict | None:
@@ -325,6 +272,7 @@ def test_operator_killed_during_reconcile_converges(
             operator_rules(
                 pool.cluster,
                 operator_home,
+                OPERATOR_SA,
                 [r for r in rbac.OPERATOR_RULES if status_rule not in r["resources"]],
             )
         pool.apply_cache()
@@ -337,7 +285,7 @@ def test_operator_killed_during_reconcile_converges(
             assert killed_with == {} and ds_before is not None
         assert all(pool.gate(n) is None or pool.gate(n)[0] == "False" for n in pool.nodes)
     finally:
-        operator_rules(pool.cluster, operator_home, rbac.OPERATOR_RULES)
+        operator_rules(pool.cluster, operator_home, OPERATOR_SA, rbac.OPERATOR_RULES)
         operator.start()
 
     for node in pool.nodes:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.wc_harness import DaemonFactory, DaemonProcess, Peers
+from tests.unit.wc_harness import DaemonFactory, DaemonProcess, Engines, Peers
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +47,13 @@ def memfd_daemon(session_daemons: DaemonFactory, minilm_dir: Path) -> DaemonProc
 @pytest.fixture(scope="session")
 def torch_ipc_daemon(session_daemons: DaemonFactory, minilm_dir: Path) -> DaemonProcess:
     return session_daemons(minilm_dir, "--transport", "torch_ipc")
+
+
+@pytest.fixture
+def engines() -> Iterator[Engines]:
+    e = Engines()
+    yield e
+    e.close()
 
 
 @pytest.fixture

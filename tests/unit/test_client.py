@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -13,13 +15,23 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.unit.wc_harness import FakeDaemon, open_fd_count, serve_tensors
+from tests.unit.wc_harness import (
+    DAEMON_GID,
+    DAEMON_UID,
+    ENGINE_UID,
+    OTHER_UID,
+    FakeDaemon,
+    cross_uid_workdir,
+    open_fd_count,
+    serve_tensors,
+)
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.client import (
     AttachedWeights,
     ConfigMismatch,
     DaemonError,
     DaemonNotReady,
+    UntrustedDaemon,
     attach,
     load_into,
     meta_parameters,
@@ -353,9 +365,15 @@ def test_an_ok_reply_for_another_config_is_refused(fake, served) -> None:
 
 
 def test_error_mismatch_and_wrong_kind_replies(fake, served) -> None:
-    fake.replies["reply"] = ErrorReply(v=1, error="busy: 64 connections in progress; retry")
-    with pytest.raises(DaemonError, match="busy: 64 connections"):
+    fake.replies["reply"] = ErrorReply(v=1, error="busy: 64 connections in progress",
+                                       retryable=True)
+    with pytest.raises(DaemonNotReady, match="busy: 64 connections"):
         attach(fake.socket_path)
+    # Only the field makes a refusal retryable, never its wording.
+    fake.replies["reply"] = ErrorReply(v=1, error="something odd; retry")
+    with pytest.raises(DaemonError, match="something odd") as info:
+        attach(fake.socket_path)
+    assert not isinstance(info.value, DaemonNotReady)
     fake.replies["reply"] = FetchStateReply(
         v=1, status="mismatch", mismatched_fields=["dtype", "shard.tp_rank"]
     )
@@ -394,7 +412,8 @@ def test_disk_fallback_only_when_the_socket_is_absent(
 
 
 def test_wait_ready_retries_while_the_daemon_loads_then_attaches(fake, served) -> None:
-    loading = FetchStateReply(v=1, status="error", pid=4242, error="daemon is still loading; retry")
+    loading = FetchStateReply(v=1, status="error", pid=4242, error="daemon is still loading",
+                              retryable=True)
     fake.replies["reply"] = loading
     with pytest.raises(DaemonNotReady, match="still loading"):
         attach(fake.socket_path, transports=["memfd"])  # wait_ready=0: fail at once
@@ -426,3 +445,113 @@ def test_wait_ready_gives_up_and_hard_errors_are_not_retried(tmp_path) -> None:
         daemon.close()
     assert not isinstance(info.value, DaemonNotReady)
     assert len(asked) == 1  # a hard error is final: asked once, not retried
+
+
+# ----------------------------------------------------------------------------- who serves it
+
+# An engine as it runs in a pod (its own uid, the daemon's gid): attach with defaults,
+# then report what happened and how many memfd mappings the process holds.
+PROBING_ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    from weightcache.client import attach
+    try:
+        attached = attach(sys.argv[1], transports=["memfd"])
+        outcome = {"served_by_pid": attached.daemon_pid}
+    except Exception as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    with open("/proc/self/maps") as f:
+        outcome["memfd_mappings"] = sum("/memfd:" in line for line in f)
+    print(json.dumps(outcome), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def probe(engines, socket_path: str, **env: str) -> dict:
+    proc = engines.start(
+        socket_path,
+        PROBING_ENGINE,
+        user=ENGINE_UID,
+        group=DAEMON_GID,
+        env=env,
+        check=lambda line: line.startswith("{"),
+    )
+    return json.loads(proc.line)
+
+
+def memfd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("/memfd:" in line for line in f)
+
+
+def test_an_impostor_on_the_daemons_socket_is_refused_before_mapping(
+    daemons, engines, minilm_dir
+) -> None:
+    workdir = daemons.workdir()
+    daemon_dir = cross_uid_workdir(workdir)  # the daemon's, its daemon down
+    os.chmod(daemon_dir, 0o750)
+    own = workdir / "imp"
+    own.mkdir()
+    os.chown(own, OTHER_UID, DAEMON_GID)
+    # A real daemon, serving real weights, but under another uid.
+    impostor = daemons(
+        minilm_dir,
+        *("--transport", "memfd", "--allow-gid", str(DAEMON_GID), "--allow-uid", "0"),
+        workdir=workdir,
+        socket_name="imp/cpu.sock",
+        user=OTHER_UID,
+        group=DAEMON_GID,
+    )
+    planted = str(daemon_dir / "cpu.sock")
+    os.rename(impostor.socket, planted)  # left by whoever could once write the directory
+
+    refused = probe(engines, planted)
+    assert refused.get("error") == "UntrustedDaemon", refused
+    assert f"served by pid {impostor.pid} running as uid {OTHER_UID}" in refused["message"]
+    assert f"expected uid {DAEMON_UID} (owner of {daemon_dir})" in refused["message"]
+    assert refused["memfd_mappings"] == 0
+    # The control: told to expect that uid, the same engine maps the impostor's weights,
+    # so the refusal above was the uid check and nothing else.
+    accepted = probe(engines, planted, WEIGHTCACHE_DAEMON_UIDS=str(OTHER_UID))
+    assert accepted["served_by_pid"] == impostor.pid and accepted["memfd_mappings"] >= 1
+    # With the daemon's uid pinned, the directory is not even asked: refused as well.
+    pinned = probe(engines, planted, WEIGHTCACHE_DAEMON_UIDS=f"{DAEMON_UID},4242")
+    assert pinned.get("error") == "UntrustedDaemon" and pinned["memfd_mappings"] == 0
+    assert f"expected uid 4242, {DAEMON_UID} (WEIGHTCACHE_DAEMON_UIDS)" in pinned["message"]
+
+
+def test_a_directory_others_could_write_cannot_vouch_for_the_daemon(daemons, minilm_dir):
+    daemon = daemons(minilm_dir, "--transport", "memfd")
+    directory = Path(daemon.socket).parent
+    link = daemon.workdir / "link"
+    link.symlink_to(directory)
+    cases = [
+        (lambda: os.chmod(directory, 0o770), daemon.socket, "is writable by group or others"),
+        (lambda: os.chmod(daemon.workdir, 0o777), daemon.socket, "above the socket directory"),
+        (lambda: None, str(link / "cpu.sock"), "is a symlink or not a directory"),
+    ]
+    mapped = memfd_mappings()  # other tests' attachments may still be alive
+    for change, path, message in cases:
+        os.chmod(directory, 0o750)
+        os.chmod(daemon.workdir, 0o700)
+        change()
+        with pytest.raises(UntrustedDaemon, match=message):
+            attach(path, transports=["memfd"])
+        assert memfd_mappings() == mapped
+        # Naming the daemon's uid replaces the directory's word for it.
+        attach(path, transports=["memfd"], daemon_uids=[os.getuid()], handback=False).close()
+    os.chmod(daemon.workdir, 0o1777)  # sticky: others may add, but not replace our entries
+    attach(daemon.socket, transports=["memfd"], handback=False).close()
+
+
+def test_a_daemon_of_another_uid_than_expected_is_refused(memfd_daemon, monkeypatch) -> None:
+    mapped = memfd_mappings()
+    with pytest.raises(UntrustedDaemon) as info:
+        attach(memfd_daemon.socket, daemon_uids=[4242])
+    assert f"running as uid {os.getuid()}" in str(info.value)
+    assert "expected uid 4242 (daemon_uids)" in str(info.value)
+    assert memfd_mappings() == mapped
+    monkeypatch.setenv("WEIGHTCACHE_DAEMON_UIDS", "65533,x")
+    with pytest.raises(ValueError, match="expected comma-separated non-negative uids"):
+        attach(memfd_daemon.socket)

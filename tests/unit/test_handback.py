@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -13,16 +16,15 @@ import pytest
 
 from tests.unit.wc_harness import exchange, frame
 from weightcache.client import attach
-from weightcache.daemon.server import PeerPolicy
-from weightcache.handback import (
+from weightcache.daemon.readopt import (
     EngineGone,
-    HandbackServer,
     ask_for_handback,
     engine_sockets,
-    engines_dir,
-    offer_handback,
+    prepare_engines_dir,
 )
+from weightcache.handback import HandbackServer, offer_handback
 from weightcache.protocol import ReadoptRequest, decode_readopt_reply
+from weightcache.sockets import PeerPolicy, engines_dir
 
 FINGERPRINT = "f" * 64
 OWN = PeerPolicy(frozenset({os.getuid()}))
@@ -32,12 +34,7 @@ OWN = PeerPolicy(frozenset({os.getuid()}))
 def socket_dir():
     path = Path(tempfile.mkdtemp(prefix="wc-hb-", dir="/tmp"))
     yield path
-    for root, dirs, files in os.walk(path, topdown=False):
-        for name in files:
-            os.unlink(os.path.join(root, name))
-        for name in dirs:
-            os.rmdir(os.path.join(root, name))
-    os.rmdir(path)
+    shutil.rmtree(path)
 
 
 @pytest.fixture
@@ -54,6 +51,7 @@ def memfds():
 
 @pytest.fixture
 def server(socket_dir, memfds):
+    prepare_engines_dir(str(socket_dir / "gpu-A.sock"))  # the daemon's part
     s = HandbackServer(str(socket_dir / "gpu-A.sock"), FINGERPRINT, [4096, 8192], memfds)
     yield s
     s.close()
@@ -67,7 +65,7 @@ def ask(server_or_path, name: str = "gpu-A.sock", fingerprint: str = FINGERPRINT
 def test_hands_back_the_same_files_and_keeps_serving(server, socket_dir, memfds) -> None:
     assert engine_sockets(str(socket_dir / "gpu-A.sock")) == [server.path]
     assert os.path.basename(server.path).startswith(f"{os.getpid()}-")
-    assert stat.S_IMODE(os.stat(engines_dir(str(socket_dir / "x.sock"))).st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(engines_dir(str(socket_dir / "x.sock"))).st_mode) == 0o3770
     assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o660
     for _ in range(2):  # another restart may come
         handed = ask(server)
@@ -140,12 +138,17 @@ def test_a_dead_engines_socket_is_recognised(socket_dir) -> None:
         ask(str(directory / "1-deadbeef.sock"))
 
 
-def test_an_unusable_engines_dir_only_costs_the_handback(socket_dir, memfds, caplog) -> None:
-    (socket_dir / "engines").write_text("not a directory")
+@pytest.mark.parametrize("kind", ["a file", "missing"])
+def test_an_unusable_engines_dir_only_costs_the_handback(socket_dir, memfds, caplog, kind) -> None:
+    if kind == "a file":
+        (socket_dir / "engines").write_text("not a directory")
     with caplog.at_level(logging.WARNING):
         offered = offer_handback(str(socket_dir / "gpu-A.sock"), FINGERPRINT, [4096], memfds[:1])
     assert offered is None
     assert "cannot offer them back" in caplog.text
+    # An engine never creates the directory: only the daemon sets its owner and mode.
+    engines = socket_dir / "engines"
+    assert engines.is_file() if kind == "a file" else not engines.exists()
 
 
 # --------------------------------------------------------------------------- attach
@@ -184,3 +187,71 @@ def test_attach_without_handback_or_over_torch_ipc_offers_nothing(
     finally:
         declined.close()
         ipc.close()
+
+
+# --------------------------------------------------------------------------- the directory
+
+
+def test_the_daemon_makes_the_engines_dir_3770_in_its_group(socket_dir) -> None:
+    directory = Path(engines_dir(str(socket_dir / "gpu-A.sock")))
+    directory.mkdir(mode=0o750)  # as an older daemon left it
+    os.chown(directory, -1, 4242)
+    assert prepare_engines_dir(str(socket_dir / "gpu-A.sock")) == str(directory)
+    info = directory.stat()
+    # setgid: engines' sockets get the daemon's group; sticky: none removes another's.
+    assert stat.S_IMODE(info.st_mode) == 0o3770
+    assert info.st_gid == os.getegid()
+
+
+def test_a_symlink_for_the_engines_dir_is_refused(socket_dir, tmp_path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    elsewhere.chmod(0o700)
+    (socket_dir / "engines").symlink_to(elsewhere)
+    with pytest.raises(OSError, match="a symlink there is refused"):
+        prepare_engines_dir(str(socket_dir / "gpu-A.sock"))
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o700  # not followed, not changed
+
+
+def test_only_socket_files_count_as_engines(server, socket_dir, tmp_path) -> None:
+    directory = Path(engines_dir(str(socket_dir / "gpu-A.sock")))
+    (directory / "0-file.sock").write_text("")
+    (directory / "0-dir.sock").mkdir()
+    (directory / "0-link.sock").symlink_to(server.path)
+    assert engine_sockets(str(socket_dir / "gpu-A.sock")) == [server.path]
+
+
+# --------------------------------------------------------------------------- deadlines
+
+# Accepts, reads the request, then answers one byte every 0.2 s: every read returns well
+# within a per-read timeout, so only a deadline for the whole exchange can end it.
+TRICKLER = """
+import socket, sys, time
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+conn.recv(4096)
+conn.sendall((200).to_bytes(4, "big"))
+for _ in range(200):
+    time.sleep(0.2)
+    conn.sendall(b"x")
+time.sleep(3600)
+"""
+
+
+def test_a_trickling_engine_gets_a_timeout_for_the_whole_exchange(socket_dir) -> None:
+    directory = Path(prepare_engines_dir(str(socket_dir / "gpu-A.sock")))
+    path = str(directory / "1-trickle.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRICKLER, path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(TimeoutError, match="did not complete the hand-back within 1 s"):
+            ask_for_handback(path, "gpu-A.sock", FINGERPRINT, 4, OWN, timeout=1.0)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

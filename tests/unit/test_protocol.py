@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from weightcache.protocol import (
-    DEFAULT_MAX_FRAME,
     MAX_SOCKET_PATH_BYTES,
     CacheConfig,
     ErrorReply,
@@ -30,9 +29,7 @@ from weightcache.protocol import (
     decode_request,
     encode,
     fingerprint,
-    pack_frame_header,
     socket_path,
-    unpack_frame_header,
     validated_preloaded_bytes,
 )
 
@@ -70,25 +67,6 @@ def config_map(**overrides) -> dict:
     data = msgspec.to_builtins(make_config())
     data.update(overrides)
     return data
-
-
-# ----------------------------------------------------------------------------- frames
-
-
-def test_frame_header_round_trips_big_endian() -> None:
-    header = pack_frame_header(0x01020304)
-    assert header == b"\x01\x02\x03\x04"
-    assert unpack_frame_header(header) == 0x01020304
-
-
-def test_frame_at_the_cap_passes_and_past_it_is_refused() -> None:
-    assert unpack_frame_header(pack_frame_header(DEFAULT_MAX_FRAME)) == DEFAULT_MAX_FRAME
-    with pytest.raises(ProtocolError, match="exceeds the 67108864-byte cap"):
-        pack_frame_header(DEFAULT_MAX_FRAME + 1)
-    with pytest.raises(ProtocolError, match="exceeds the 100-byte cap"):
-        unpack_frame_header(b"\x00\x00\x00\x65", max_frame=100)
-    with pytest.raises(ProtocolError, match="4294967295 bytes exceeds"):
-        unpack_frame_header(b"\xff\xff\xff\xff")
 
 
 # ----------------------------------------------------------------------------- requests

@@ -11,13 +11,15 @@ import time
 import pytest
 
 from tests.unit.wc_harness import open_fd_count
-from weightcache.protocol import PingRequest, ProtocolError, decode_request
+from weightcache.protocol import DEFAULT_MAX_FRAME, PingRequest, ProtocolError, decode_request
 from weightcache.wire import (
     MAX_FDS_PER_MESSAGE,
     PeerClosed,
+    pack_frame_header,
     recv_frame,
     send_frame,
     send_message,
+    unpack_frame_header,
 )
 
 
@@ -246,3 +248,19 @@ def test_a_frame_within_its_deadline_is_read_and_the_timeout_kept(pair) -> None:
     send_frame(a, b"on time")
     assert recv_frame(b, deadline=time.monotonic() + 30) == (b"on time", [])
     assert b.gettimeout() == 10
+
+
+def test_frame_header_round_trips_big_endian() -> None:
+    header = pack_frame_header(0x01020304)
+    assert header == b"\x01\x02\x03\x04"
+    assert unpack_frame_header(header) == 0x01020304
+
+
+def test_frame_at_the_cap_passes_and_past_it_is_refused() -> None:
+    assert unpack_frame_header(pack_frame_header(DEFAULT_MAX_FRAME)) == DEFAULT_MAX_FRAME
+    with pytest.raises(ProtocolError, match="exceeds the 67108864-byte cap"):
+        pack_frame_header(DEFAULT_MAX_FRAME + 1)
+    with pytest.raises(ProtocolError, match="exceeds the 100-byte cap"):
+        unpack_frame_header(b"\x00\x00\x00\x65", max_frame=100)
+    with pytest.raises(ProtocolError, match="4294967295 bytes exceeds"):
+        unpack_frame_header(b"\xff\xff\xff\xff")

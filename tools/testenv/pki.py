@@ -23,6 +23,9 @@ APISERVER_DNS_NAMES = (
 )
 
 
+APISERVER_KUBELET_CLIENT = "weightcache-testenv-apiserver-kubelet-client"
+
+
 @dataclass(frozen=True)
 class CertSpec:
     """What one certificate says: subject, usage and subject alternative names."""
@@ -51,6 +54,8 @@ class Pki:
     admin: KeyPair
     controller_manager: KeyPair
     scheduler: KeyPair
+    # The API server's client certificate towards kubelets (logs, exec, port-forward).
+    apiserver_kubelet_client: KeyPair
     service_account_key: Path
     service_account_pub: Path
 
@@ -147,6 +152,9 @@ def generate(out: Path, service_ip: str) -> Pki:
         CertSpec("system:kube-controller-manager", client=True), out, "controller-manager", ca
     )
     scheduler = issue(CertSpec("system:kube-scheduler", client=True), out, "scheduler", ca)
+    kubelet_client = issue(
+        CertSpec(APISERVER_KUBELET_CLIENT, client=True), out, "apiserver-kubelet-client", ca
+    )
     sa_key, sa_pub = out / "sa.key", out / "sa.pub"
     _openssl(
         "genpkey",
@@ -159,4 +167,29 @@ def generate(out: Path, service_ip: str) -> Pki:
     )
     sa_key.chmod(0o600)
     _openssl("pkey", "-in", str(sa_key), "-pubout", "-out", str(sa_pub))
-    return Pki(ca, apiserver, admin, kcm, scheduler, sa_key, sa_pub)
+    return Pki(ca, apiserver, admin, kcm, scheduler, kubelet_client, sa_key, sa_pub)
+
+
+@dataclass(frozen=True)
+class NodePki:
+    client: KeyPair
+    serving: KeyPair
+
+
+def generate_node(out: Path, ca: KeyPair, node_name: str, node_ip: str) -> NodePki:
+    """A kubelet's client certificate (the identity RBAC's system:node role expects) and
+    its serving certificate (verified by the API server against the cluster CA)."""
+    out.mkdir(parents=True, exist_ok=True)
+    client = issue(
+        CertSpec(f"system:node:{node_name}", "system:nodes", client=True),
+        out,
+        "kubelet-client",
+        ca,
+    )
+    serving = issue(
+        CertSpec(node_name, server=True, dns_names=(node_name,), ip_addresses=(node_ip,)),
+        out,
+        "kubelet-serving",
+        ca,
+    )
+    return NodePki(client, serving)

@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -45,11 +45,19 @@ class ProcessGroup:
     def __init__(self) -> None:
         self.pgid: int | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
         self._owner_pid = os.getpid()
 
     def spawn(
-        self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        before_exec: Callable[[], None] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen[bytes]:
+        """Start argv in the group; `before_exec` runs in the child (e.g. to join a cgroup)."""
         pgid = self.pgid or 0
         owner = self._owner_pid
         libc = ctypes.CDLL(None, use_errno=True)
@@ -60,6 +68,8 @@ class ProcessGroup:
             # The owner may have died between fork and prctl; then nobody would signal us.
             if os.getppid() != owner:
                 os._exit(1)
+            if before_exec is not None:
+                before_exec()
 
         with open(log, "ab") as out:
             proc = subprocess.Popen(
@@ -69,12 +79,45 @@ class ProcessGroup:
                 stderr=subprocess.STDOUT,
                 preexec_fn=in_child,
                 env=env,
+                cwd=cwd,
                 close_fds=True,
             )
         if self.pgid is None:
             self.pgid = proc.pid
         self.procs[name] = proc
+        self.logs[name] = log
         return proc
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.logs[name]
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return f"--- last {lines} lines of {path} ---\n" + "\n".join(text[-lines:])
+
+    def wait_for(
+        self,
+        what: str,
+        deadline: float,
+        check: Callable[[], object],
+        retry_on: tuple[type[Exception], ...],
+        error: type[Exception] = RuntimeError,
+    ) -> None:
+        """Poll `check` until it is truthy; raise `error` naming `what` at the deadline,
+        or at once, with its log, when a process of the group has exited meanwhile."""
+        last: object = None
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise error(
+                        f"testenv: {name} exited with {proc.returncode} while waiting for "
+                        f"{what}\n{self.log_tail(name)}"
+                    )
+            try:
+                if check():
+                    return
+            except retry_on as e:
+                last = e
+            time.sleep(0.2)
+        raise error(f"testenv: timed out waiting for {what} (last error: {last})")
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM each process, last spawned first, giving each up to `grace` seconds;

@@ -49,6 +49,22 @@ app.kubernetes.io/part-of: weightcache
 {{- $ref }}
 {{- end }}
 
+{{/*
+The operator's cache policy, as JSON (weightcache_operator.policy.Policy): the
+same values the cache-policy ValidatingAdmissionPolicy enforces at admission.
+The set-up image is the operator's own: it alone runs the privileged step.
+*/}}
+{{- define "wc.policy" -}}
+{{- $policy := dict
+  "setupImage" (include "wc.imageRef" (list .Values.image .Chart.AppVersion))
+  "sidecarImage" (include "wc.imageRef" (list .Values.sidecarImage .Chart.AppVersion))
+  "daemonServiceAccount" .Values.daemon.serviceAccount.name
+  "allowedHostPaths" .Values.cachePolicy.allowedHostPaths
+  "allowedSidecarImagePrefixes" .Values.cachePolicy.allowedSidecarImagePrefixes
+  "allowedTransports" .Values.cachePolicy.allowedTransports }}
+{{- toJson $policy }}
+{{- end }}
+
 {{/* Namespaces that get the daemon ServiceAccount and Role, one per line. */}}
 {{- define "wc.daemonNamespaces" -}}
 {{- $namespaces := .Values.daemon.namespaces | default (list .Release.Namespace) }}
@@ -65,42 +81,4 @@ app.kubernetes.io/part-of: weightcache
 {{- $names = append $names (printf "'system:serviceaccount:%s:%s'" . $sa) }}
 {{- end }}
 {{- printf "[%s]" (join ", " $names) }}
-{{- end }}
-
-{{/*
-The operator's rules: the same list as weightcache_operator.rbac.OPERATOR_RULES
-(tests/unit/chart/test_chart_rbac.py keeps them equal). Cluster-wide: the
-operator watches every namespace (kopf standalone, clusterwide).
-*/}}
-{{- define "wc.operatorRules" }}
-# Watch caches; kopf patches its finalizer and progress annotations on them.
-- apiGroups: ["weightcache.dev"]
-  resources: ["weightcaches"]
-  verbs: ["list", "watch", "patch"]
-- apiGroups: ["weightcache.dev"]
-  resources: ["weightcaches/status"]
-  verbs: ["patch"]
-# Owner references with blockOwnerDeletion need update on the owner's finalizers
-# (where the OwnerReferencesPermissionEnforcement admission plugin is on).
-- apiGroups: ["weightcache.dev"]
-  resources: ["weightcaches/finalizers"]
-  verbs: ["update"]
-# Server-side apply of the daemon DaemonSet (create on first apply).
-- apiGroups: ["apps"]
-  resources: ["daemonsets"]
-  verbs: ["list", "watch", "create", "patch"]
-# Daemon pods (reports) and engine pods (readiness gates).
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["list", "watch"]
-- apiGroups: [""]
-  resources: ["pods/status"]
-  verbs: ["patch"]
-# weightcache.dev/<name>=Ready node labels.
-- apiGroups: [""]
-  resources: ["nodes"]
-  verbs: ["list", "watch", "patch"]
-- apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create"]
 {{- end }}

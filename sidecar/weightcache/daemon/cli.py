@@ -12,12 +12,15 @@ from pathlib import Path
 import msgspec
 
 from weightcache.checkpoint import TORCH_DTYPES, dtype_from_name
+from weightcache.daemon.health import STALL_SECONDS
 from weightcache.daemon.lock import DaemonAlreadyRunning
-from weightcache.daemon.server import PeerPolicy, ServerLimits
+from weightcache.daemon.seed import WAIT_SECONDS
+from weightcache.daemon.server import ServerLimits
 from weightcache.daemon.service import Daemon, DaemonOptions
 from weightcache.devices import resolve_device
 from weightcache.protocol import DEFAULT_MAX_FRAME, ShardSpec, check_socket_path, socket_path
 from weightcache.shard import PLAN_NAMES, ShardError, check_spec
+from weightcache.sockets import PeerPolicy
 from weightcache.transport import TRANSPORT_NAMES, default_daemon_transport
 
 
@@ -41,6 +44,16 @@ def _non_negative_int(value: str) -> int:
     if not value.isdigit():
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
     return int(value)
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {value!r}")
+    return number
 
 
 def _positive_float(value: str) -> float:
@@ -93,10 +106,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME)
     serve.add_argument(
+        "--readopt-seconds",
+        type=_positive_float,
+        default=60.0,
+        help="bound on asking engines for their weights at start, all engines together; "
+        "each engine gets --timeout of it at most (default 60)",
+    )
+    serve.add_argument(
+        "--no-peer-seed",
+        dest="peer_seed",
+        action="store_false",
+        help="never copy the weights from a neighbour daemon of this socket directory",
+    )
+    serve.add_argument(
+        "--peer-wait-seconds",
+        type=_non_negative_float,
+        default=WAIT_SECONDS,
+        help="how long to wait for a neighbour that is reading the same weights from disk "
+        f"before reading them too (default {WAIT_SECONDS:g})",
+    )
+    serve.add_argument(
+        "--stall-seconds",
+        type=_positive_float,
+        default=STALL_SECONDS,
+        help="/healthz fails once loading makes no progress for this long "
+        f"(default {STALL_SECONDS:g})",
+    )
+    serve.add_argument(
         "--http-address",
         type=_http_address,
         default=("127.0.0.1", 8470),
-        help="HOST:PORT for /healthz /readyz /status /metrics, or 'none'",
+        help="HOST:PORT for /healthz /readyz /status /metrics, or 'none' "
+        "(default 127.0.0.1:8470; in a pod, 0.0.0.0:PORT so the kubelet can probe it)",
     )
 
     status = sub.add_parser("status", help="print a daemon's status as JSON")
@@ -138,6 +179,10 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
         policy=PeerPolicy(uids, frozenset(args.allow_gid)),
         limits=ServerLimits(args.max_frame, args.max_connections, args.timeout),
         http_address=args.http_address,
+        stall_seconds=args.stall_seconds,
+        readopt_seconds=args.readopt_seconds,
+        peer_seed=args.peer_seed,
+        peer_wait_seconds=args.peer_wait_seconds,
     )
 
 

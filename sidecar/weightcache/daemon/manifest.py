@@ -1,20 +1,24 @@
-"""The daemon's manifest: what it holds, written beside its socket for its successor.
+"""The daemon's manifest: what it holds, written for its successor.
 
-After a load the daemon writes ``<socket>.manifest`` (mode 0600, atomically:
-temporary file, fsync, rename, fsync of the directory): the config and its
+After a load the daemon writes ``<socket dir>/.daemon/<socket name>.manifest``
+(directory 0700 and file 0600, both owned by the daemon's uid, see
+:mod:`.statedir`; atomically: temporary file, fsync, rename, fsync of the
+directory): the config and its
 fingerprint, the transport, the GPU, the layout and one keyed digest per
 allocation. A restarted daemon re-adopts memory handed back by an engine only
 if the manifest still matches what it would load (see
 :func:`stale_reason`) and every allocation's digest matches.
 
 Digests are keyed: a 32-byte key, fresh at every load, lives only in the
-manifest. Engines run with other uids cannot read it, so they cannot build a
-different allocation of the same size that passes.
+manifest. Engines run with other uids and cannot read it, so they cannot
+build a different allocation of the same size that passes. (An engine under
+the daemon's own uid can: it is as trusted as the daemon.)
 
 - CPU memory (memfd): keyed BLAKE2b-256 over the mapping.
 - GPU memory (vmm_fd): hashing on the host would first copy the whole model
   over PCIe, so the digest is a keyed linear hash computed on the GPU
-  (``m31-linear-x2``, :func:`linear_digest`). The allocation is read as
+  (``m31-linear-x2``, :func:`linear_digest`; by one fused kernel where NVRTC
+  can build it, :mod:`.digest_cuda`, else by torch ops). The allocation is read as
   unsigned 16-bit halfwords ``h`` (each below the prime, so no two different
   allocations are congruent) in chunks of ``CHUNK_HALFWORDS``; per lane ``l``
   in {0, 1}, chunk ``j`` gives ``s = sum_i k_l[i] * h[j, i] mod (2^31 - 1)``
@@ -36,12 +40,16 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
 import msgspec
 import torch
 
 from weightcache.daemon.resident import ResidentWeights
+from weightcache.daemon.statedir import StateDirError, opened_private_dir, state_file
 from weightcache.layout import check_layout
 from weightcache.protocol import (
     CacheConfig,
@@ -67,6 +75,7 @@ CHUNK_HALFWORDS = 1 << 22
 # multiples of 256 bytes (layout.ALIGNMENT), i.e. of 128 halfwords.
 GROUP_HALFWORDS = 128
 LANES = 2
+BLAKE2B_SLICE = 16 << 20
 
 HexKey = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,64}$")]
@@ -90,7 +99,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def manifest_path(socket_path: str) -> str:
-    return socket_path + ".manifest"
+    """``<socket dir>/.daemon/<socket name>.manifest``: where engines cannot read the key."""
+    return state_file(socket_path, ".manifest")
 
 
 # --------------------------------------------------------------------------- digests
@@ -109,7 +119,19 @@ def _host_bytes(buffer: torch.Tensor) -> memoryview:
 
 
 def blake2b_digest(buffer: torch.Tensor, key: bytes) -> str:
-    return hashlib.blake2b(_host_bytes(buffer), key=key, digest_size=32).hexdigest()
+    return blake2b_digests(buffer, [key])[0]
+
+
+def blake2b_digests(buffer: torch.Tensor, keys: Sequence[bytes]) -> list[str]:
+    """Keyed BLAKE2b-256 under each key; the hashes take the mapping in 16 MiB slices, so
+    every slice is read from memory once for all of them."""
+    hashes = [hashlib.blake2b(key=key, digest_size=32) for key in keys]
+    data = _host_bytes(buffer)
+    for start in range(0, len(data), BLAKE2B_SLICE):
+        piece = data[start : start + BLAKE2B_SLICE]
+        for h in hashes:
+            h.update(piece)
+    return [h.hexdigest() for h in hashes]
 
 
 def _prf(key: bytes, label: str, index: int, modulus: int) -> int:
@@ -135,6 +157,14 @@ def outer_key(key: bytes, lane: int, chunk: int) -> int:
 
 def linear_digest(buffer: torch.Tensor, key: bytes, chunk_halfwords: int = CHUNK_HALFWORDS) -> str:
     """The ``m31-linear-x2`` digest (module docstring) of a flat uint8 tensor, on its device."""
+    return linear_digests(buffer, [key], chunk_halfwords)[0]
+
+
+def linear_digests(
+    buffer: torch.Tensor, keys: Sequence[bytes], chunk_halfwords: int = CHUNK_HALFWORDS
+) -> list[str]:
+    """One ``m31-linear-x2`` digest per key, in one pass over the buffer (a seeded daemon
+    checks its copy under its peer's key and digests it under a fresh one of its own)."""
     size = buffer.numel()
     if size % (2 * GROUP_HALFWORDS) or chunk_halfwords % GROUP_HALFWORDS:
         raise ValueError(
@@ -143,41 +173,72 @@ def linear_digest(buffer: torch.Tensor, key: bytes, chunk_halfwords: int = CHUNK
     halfwords = buffer.view(torch.int16)
     total = halfwords.numel()
     length = min(chunk_halfwords, total)
-    keys = [inner_keys(key, lane, length).to(buffer.device) for lane in range(LANES)]
-    product = torch.empty(length, dtype=torch.int64, device=buffer.device)
-    sums: list[torch.Tensor] = []
-    for start in range(0, total, chunk_halfwords):
-        n = min(chunk_halfwords, total - start)
-        words = halfwords[start : start + n].to(torch.int64).bitwise_and_(0xFFFF)
-        for lane in range(LANES):
-            torch.mul(words, keys[lane][:n], out=product[:n])
-            groups = product[:n].view(-1, GROUP_HALFWORDS).sum(1).remainder_(M31)
-            sums.append(groups.sum())
-    # One device-to-host transfer for all chunk sums, then the outer sum in Python.
-    values = torch.stack(sums).tolist() if sums else []
-    lanes = [0] * LANES
-    for i, value in enumerate(values):
-        chunk, lane = divmod(i, LANES)
-        lanes[lane] = (lanes[lane] + outer_key(key, lane, chunk) * (value % M31)) % M61
-    return "".join(f"{h:016x}" for h in lanes)
+    lanes = [(key, lane) for key in keys for lane in range(LANES)]
+    # Each lane's vector comes from its own sequential CPU generator: draw them on threads
+    # (torch releases the GIL), the bulk of the host's share of a GPU digest.
+    with ThreadPoolExecutor(max_workers=len(lanes) or 1) as pool:
+        drawn = pool.map(lambda kl: inner_keys(kl[0], kl[1], length), lanes)
+        vectors = [v.to(buffer.device) for v in drawn]
+    chunks = -(-total // chunk_halfwords)
+    fused = None
+    if buffer.is_cuda and total:
+        from weightcache.daemon.digest_cuda import chunk_sums
+
+        fused = chunk_sums(halfwords, torch.stack(vectors), chunk_halfwords)
+    if fused is None:
+        product = torch.empty(length, dtype=torch.int64, device=buffer.device)
+        sums: list[torch.Tensor] = []
+        for start in range(0, total, chunk_halfwords):
+            n = min(chunk_halfwords, total - start)
+            words = halfwords[start : start + n].to(torch.int64).bitwise_and_(0xFFFF)
+            for vector in vectors:
+                torch.mul(words, vector[:n], out=product[:n])
+                groups = product[:n].view(-1, GROUP_HALFWORDS).sum(1).remainder_(M31)
+                sums.append(groups.sum())
+    # While the GPU works: the outer keys, per lane and chunk.
+    outer = [[outer_key(key, lane, c) for c in range(chunks)] for key, lane in lanes]
+    if fused is not None:
+        per_lane = fused.tolist()  # (lanes, chunks)
+    else:
+        # One device-to-host transfer for all chunk sums (chunk-major).
+        values = torch.stack(sums).tolist() if sums else []
+        per_lane = [values[which :: len(lanes)] for which in range(len(lanes))]
+    accumulated = [
+        sum(o * (v % M31) for o, v in zip(outer[which], per_lane[which], strict=True)) % M61
+        for which in range(len(lanes))
+    ]
+    return [
+        "".join(f"{h:016x}" for h in accumulated[k * LANES : (k + 1) * LANES])
+        for k in range(len(keys))
+    ]
 
 
 def allocation_digests(buffers: list[torch.Tensor], algorithm: str, key: bytes) -> list[str]:
     """One digest per allocation; GPU temporaries are returned to the driver afterwards."""
+    return [per_key[0] for per_key in digests_under(buffers, algorithm, [key])]
+
+
+def digests_under(
+    buffers: list[torch.Tensor], algorithm: str, keys: Sequence[bytes]
+) -> list[list[str]]:
+    """Per allocation, its digest under each of ``keys`` (one pass over each allocation)."""
     on_cuda = any(b.device.type == "cuda" for b in buffers)
     if algorithm == LINEAR:
         digests = []
         for b in buffers:
             with torch.cuda.device(b.device) if b.is_cuda else contextlib.nullcontext():
-                digests.append(linear_digest(b, key))
+                digests.append(linear_digests(b, keys))
     elif algorithm == BLAKE2B:
         if on_cuda:
             raise ValueError(f"{BLAKE2B} digests CPU memory; these allocations are on the GPU")
-        digests = [blake2b_digest(b, key) for b in buffers]
+        digests = [blake2b_digests(b, keys) for b in buffers]
     else:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}")
     if on_cuda:
-        torch.cuda.synchronize()
+        # Each buffer's own device: a bare synchronize() acts on the current device (0 in a
+        # daemon pinned to another GPU) and would create a CUDA context there.
+        for device in {b.device for b in buffers if b.is_cuda}:
+            torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     return digests
 
@@ -206,46 +267,46 @@ def build_manifest(
 
 
 def write_manifest(path: str, manifest: Manifest) -> None:
-    """Atomically replace ``path``: a reader sees the old manifest or the new, never a mix."""
+    """Atomically replace ``path``: a reader sees the old manifest or the new, never a mix.
+
+    ``path``'s directory must be private to this uid (see :mod:`.statedir`);
+    every step goes through its fd, so no symlink is followed.
+    """
     data = msgspec.json.encode(manifest)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a crashed predecessor with our pid
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask can only narrow it; make it exact
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
+    name = os.path.basename(path)
+    tmp = f"{name}.tmp-{os.getpid()}"
+    with opened_private_dir(os.path.dirname(path)) as directory:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=directory)  # left by a crashed predecessor with our pid
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=directory)
+        try:
+            os.fchmod(fd, 0o600)  # the umask can only narrow it; make it exact
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=directory)
+            raise
         os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
-    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
+        os.rename(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
         os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def read_manifest(path: str) -> Manifest:
-    """The manifest at ``path``, checked for internal consistency; ManifestError says why not."""
+    """The manifest at ``path``, checked for internal consistency; ManifestError says why not.
+
+    Only a regular file owned by this uid and closed to group and others, in a
+    directory of the same kind, reached without following a symlink: anything
+    else may have been written by someone who could read the key.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise ManifestError(
-            f"no manifest at {path} (first start, or the last daemon never finished a load)"
-        ) from None
-    except OSError as exc:
-        raise ManifestError(f"cannot open manifest {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        owner = os.fstat(f.fileno()).st_uid
-        if owner != os.getuid():
-            raise ManifestError(f"manifest {path} is owned by uid {owner}, not this daemon's")
-        data = f.read()
+        with opened_private_dir(os.path.dirname(path)) as directory:
+            data = _read_private_file(directory, os.path.basename(path), path)
+    except StateDirError as exc:
+        raise ManifestError(str(exc)) from None
     try:
         manifest = msgspec.json.decode(data, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -262,6 +323,29 @@ def read_manifest(path: str) -> Manifest:
     except ValueError as exc:
         raise ManifestError(f"manifest {path}: bad layout: {exc}") from None
     return manifest
+
+
+def _read_private_file(directory: int, name: str, path: str) -> bytes:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=directory)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"no manifest at {path} (first start, or the last daemon never finished a load)"
+        ) from None
+    except OSError as exc:
+        raise ManifestError(f"cannot open manifest {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ManifestError(f"manifest {path} is not a regular file")
+        if info.st_uid != os.getuid():
+            raise ManifestError(f"manifest {path} is owned by uid {info.st_uid}, not this daemon's")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise ManifestError(
+                f"manifest {path} has mode {stat.S_IMODE(info.st_mode):04o}: others may "
+                "have read its key; it must be 0600"
+            )
+        return f.read()
 
 
 def stale_reason(

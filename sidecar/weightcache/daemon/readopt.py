@@ -5,7 +5,10 @@ describe what this daemon would load (config from the checkpoint's headers
 only); then each engine socket beside ours is asked in turn for its fds. The
 first complete set whose every allocation matches the manifest's digest is
 served as before. Sockets nobody listens on belong to dead engines and are
-removed. Whatever happens, :class:`Readoption` says why, for the status.
+removed. Asking is bounded (:class:`ReadoptBudget`): per engine, one
+deadline for the whole exchange; overall, a budget after which the daemon
+stops asking and loads from disk. Whatever happens, :class:`Readoption`
+says why, for the status.
 
 Imported memory is never re-exported (the driver refuses to export an
 imported VMM handle): the daemon serves the fds it received. ``torch_ipc``
@@ -17,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,15 +38,15 @@ from weightcache.daemon.manifest import (
     stale_reason,
 )
 from weightcache.daemon.resident import ResidentWeights
-from weightcache.daemon.server import PeerPolicy
-from weightcache.handback import (
-    EngineGone,
-    ask_for_handback,
-    engine_sockets,
-    prepare_engines_dir,
-)
 from weightcache.layout import tensor_specs
-from weightcache.protocol import ProtocolError, ShardSpec
+from weightcache.protocol import (
+    READOPT_MAX_FRAME,
+    ProtocolError,
+    ReadoptRequest,
+    ShardSpec,
+    decode_readopt_reply,
+)
+from weightcache.sockets import DIR_FLAGS, PeerPolicy, engines_dir, peer_credentials, socket_files
 from weightcache.transport import get_daemon_transport_backend
 from weightcache.transport.base import (
     AllocationEntry,
@@ -50,7 +55,7 @@ from weightcache.transport.base import (
     ImportedMemory,
     WeightCacheTransportBackend,
 )
-from weightcache.wire import close_fds
+from weightcache.wire import close_fds, recv_frame, send_message
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,18 @@ class AdoptedMemory(DaemonMemory):
         self.buffers = []
         self._imported.close()
         self.fds = []
+
+
+@dataclass(frozen=True)
+class ReadoptBudget:
+    """How long re-adoption may ask: each engine's whole exchange, and all of them together.
+
+    Past the total the daemon stops asking and loads from disk, so a crowd of
+    slow (or hostile) engines can delay a restart by ``total_seconds`` at most.
+    """
+
+    exchange_seconds: float = 10.0
+    total_seconds: float = 60.0
 
 
 @dataclass
@@ -92,12 +109,20 @@ def try_readopt(
     dtype: torch.dtype | None = None,
     shard: ShardSpec | None = None,
     revision: str | None = None,
+    *,
+    budget: ReadoptBudget | None = None,
+    progress: Callable[[], None] = lambda: None,
 ) -> Readoption:
     """Re-adopted weights, or None and why the daemon must load from disk.
 
     ``model_dir`` .. ``revision`` are :func:`load_from_disk`'s arguments.
+    ``budget`` bounds each engine's exchange and the asking as a whole;
+    ``progress`` is called after each engine is dealt with (the liveness
+    probe's progress clock).
     """
+    budget = budget or ReadoptBudget()
     started = time.perf_counter()
+    deadline = time.monotonic() + budget.total_seconds
     backend = get_daemon_transport_backend(transport)
     if not backend.keeps_fds:
         return Readoption(
@@ -106,7 +131,7 @@ def try_readopt(
     try:
         prepare_engines_dir(socket_path)
     except OSError as exc:
-        log.warning("cannot create the engines' hand-back directory: %s", exc)
+        return Readoption(None, f"cannot prepare the engines' hand-back directory: {exc}")
     try:
         manifest = read_manifest(manifest_path(socket_path))
         checkpoint = read_checkpoint(model_dir)
@@ -123,10 +148,25 @@ def try_readopt(
         return Readoption(None, f"cannot list the engines' sockets: {exc}")
     failures: list[str] = []
     gone = 0
-    for engine in engines:
+    for asked, engine in enumerate(engines):
         name = os.path.basename(engine)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            failures.append(
+                f"re-adoption budget of {budget.total_seconds:g} s spent; "
+                f"{len(engines) - asked} engine socket(s) not asked"
+            )
+            break
         try:
-            memory, pid = _adopt_from(engine, socket_path, manifest, backend, device, policy)
+            memory, pid = _adopt_from(
+                engine,
+                socket_path,
+                manifest,
+                backend,
+                device,
+                policy,
+                min(budget.exchange_seconds, remaining),
+            )
         except EngineGone:
             gone += 1
             with contextlib.suppress(OSError):
@@ -136,6 +176,8 @@ def try_readopt(
             failures.append(f"{name}: {exc}")
             log.warning("engine %s did not hand the weights back: %s", name, exc)
             continue
+        finally:
+            progress()
         resident = ResidentWeights(
             config=manifest.config,
             fingerprint=manifest.fingerprint,
@@ -164,11 +206,12 @@ def _adopt_from(
     backend: WeightCacheTransportBackend,
     device: torch.device,
     policy: PeerPolicy,
+    timeout: float,
 ) -> tuple[AdoptedMemory, int]:
     """Import one engine's fds and verify them; raises with the reason otherwise."""
     sizes = manifest.layout.allocation_sizes
     handed = ask_for_handback(
-        engine, os.path.basename(socket_path), manifest.fingerprint, len(sizes), policy
+        engine, os.path.basename(socket_path), manifest.fingerprint, len(sizes), policy, timeout
     )
     if handed.allocation_sizes != sizes:
         close_fds(handed.fds)
@@ -198,3 +241,115 @@ def _adopt_from(
             memory.close()
             raise
     return memory, handed.pid
+
+
+ENGINES_DIR_MODE = 0o3770  # setgid + sticky, rwx for the daemon and its group
+
+
+def prepare_engines_dir(daemon_socket_path: str) -> str:
+    """Create ``engines/`` with mode 3770 and our group; return its path.
+
+    Engines run under their own uids with the daemon's gid as primary group:
+    group write lets them add their sockets, setgid gives every socket the
+    daemon's group (so the daemon may connect to it), sticky stops one engine
+    removing or renaming another's. A symlink there is refused; a directory
+    owned by another uid is used as it is, with a warning.
+    """
+    directory = engines_dir(daemon_socket_path)
+    parent = os.open(os.path.dirname(directory), DIR_FLAGS)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.basename(directory), 0o700, dir_fd=parent)  # widened once ours
+        try:
+            fd = os.open(os.path.basename(directory), DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            message = f"{exc.strerror} (a symlink there is refused)"
+            raise OSError(exc.errno, message, directory) from None
+    finally:
+        os.close(parent)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            log.warning(
+                "engines' directory %s is owned by uid %d, not this daemon; leaving its mode",
+                directory, info.st_uid,
+            )
+            return directory
+        if info.st_gid != os.getegid():
+            os.fchown(fd, -1, os.getegid())
+        os.fchmod(fd, ENGINES_DIR_MODE)
+    finally:
+        os.close(fd)
+    return directory
+
+
+def engine_sockets(daemon_socket_path: str) -> list[str]:
+    """Every engine's hand-back socket beside ``daemon_socket_path``, in name order."""
+    return socket_files(engines_dir(daemon_socket_path))
+
+
+# --------------------------------------------------------------------------- asking engines
+
+
+@dataclass
+class HandedBack:
+    pid: int
+    allocation_sizes: list[int]
+    fds: list[int]
+
+
+class EngineGone(ConnectionRefusedError):
+    """Nobody listens on the engine socket (its engine died without removing it), or it is gone."""
+
+
+def ask_for_handback(
+    engine_socket: str,
+    daemon_socket_name: str,
+    fingerprint: str,
+    max_allocations: int,
+    policy: PeerPolicy,
+    timeout: float = 5.0,
+) -> HandedBack:
+    """Ask one engine for its fds; raises with the reason on refusal or a bad reply.
+
+    The engine must run as a peer ``policy`` allows, the same rule the daemon
+    applies to the engines it serves. ``timeout`` bounds the whole exchange
+    (connect, send, the whole reply): an engine that answers a byte at a time
+    gets TimeoutError, not a daemon stuck loading.
+    """
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(engine_socket)
+            except (ConnectionRefusedError, FileNotFoundError):
+                raise EngineGone(f"{engine_socket}: nobody listens (engine gone)") from None
+            pid, uid, gid = peer_credentials(sock)
+            if not policy.allows(uid, gid):
+                raise PermissionError(
+                    f"engine pid {pid} runs as uid {uid} / gid {gid}: not allowed"
+                )
+            request = ReadoptRequest(v=1, socket_name=daemon_socket_name, fingerprint=fingerprint)
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            send_message(sock, request)
+            body, fds = recv_frame(
+                sock, READOPT_MAX_FRAME, max_fds=max_allocations, deadline=deadline
+            )
+        except TimeoutError:
+            raise TimeoutError(
+                f"the engine did not complete the hand-back within {round(timeout, 1):g} s"
+            ) from None
+    try:
+        reply = decode_readopt_reply(body)
+        if reply.status != "ok":
+            raise RuntimeError(f"engine pid {reply.pid} refused: {reply.error}")
+        if len(fds) != len(reply.allocation_sizes):
+            raise ProtocolError(
+                f"engine pid {reply.pid} sent {len(fds)} fds for "
+                f"{len(reply.allocation_sizes)} allocations"
+            )
+    except BaseException:
+        close_fds(fds)
+        raise
+    return HandedBack(reply.pid, reply.allocation_sizes, fds)

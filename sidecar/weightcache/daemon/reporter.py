@@ -1,13 +1,13 @@
-"""Report what the daemon holds into its own pod's `weightcache.dev/report` annotation.
+"""Report what the daemon holds into its own pod's ``weightcache.dev/report.<device>`` annotation.
 
-Several daemon processes (one per GPU) may share a pod, so each one merges its
-own GPU entry into the annotation: GET the pod, merge, PATCH with the
-resourceVersion read, and start over on 409 Conflict. The merge is a pure
-function; `PodReporter` is the thin I/O around it, on a background thread.
-Reporting must never take the daemon down: every failure is logged and
-retried with capped exponential backoff.
+The report schema lives in :mod:`weightcache.report`. Each daemon writes only
+its own device's annotation, with a merge patch that needs no prior read: the
+daemon's token may ``patch`` pods and nothing else (the chart's report guard
+narrows that to this annotation of this pod), so it never reads another pod's
+spec or environment, and the daemons of one pod never conflict.
 
-Usage from the daemon::
+Reporting must never take the daemon down: every failure is logged and retried
+with capped exponential backoff, on a background thread. Usage from the daemon::
 
     reporter = PodReporter.from_env()      # None unless POD_NAME/POD_NAMESPACE are set
     if reporter:
@@ -19,8 +19,6 @@ Usage from the daemon::
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
 import random
@@ -30,132 +28,86 @@ from typing import Any
 
 import msgspec
 
+from weightcache.kubeclient import api_client
+from weightcache.protocol import DaemonStatus
+from weightcache.report import (
+    MAX_DEVICE_BYTES,
+    MAX_MESSAGE_CHARS,
+    NODE_NAME_ENV,
+    REPORT_VERSION,
+    SPEC_HASH_ENV,
+    DeviceReport,
+    annotation_key,
+    encode_report,
+    rfc3339_now,
+)
+
 log = logging.getLogger(__name__)
 
-REPORT_ANNOTATION = "weightcache.dev/report"
-SPEC_HASH_ENV = "WEIGHTCACHE_SPEC_HASH"
-REPORT_VERSION = 1
 _STATES = {"loading": "Loading", "ready": "Ready", "error": "Error"}
 
 
-def gpu_entry(status: Mapping[str, Any] | msgspec.Struct) -> tuple[str, dict[str, Any]]:
-    """(GPU key, report entry) from the daemon's status; `ValueError` names a bad field.
-
-    Takes the daemon's `DaemonStatus` struct or the same fields as a dict.
-    """
-    if isinstance(status, msgspec.Struct):
-        status = msgspec.structs.asdict(status)
-
-    def need(key: str, kind: type | tuple[type, ...]) -> Any:
-        value = status.get(key)
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ValueError(f"daemon status field {key!r}: expected {kind}, got {value!r}")
-        return value
-
-    state = need("state", str)
-    if state not in _STATES:
-        raise ValueError(f"daemon status field 'state': unknown state {state!r}")
-    key = need("gpu", str)
-    if not key:
-        raise ValueError("daemon status field 'gpu': empty")
-    preloaded = need("preloaded_weights_bytes", int)
-    expected = need("expected_bytes", int)
-    if preloaded < 0 or expected < 0:
-        raise ValueError("daemon status byte counts must be non-negative")
-    load_seconds = status.get("load_seconds")
-    if load_seconds is not None:
-        load_seconds = float(need("load_seconds", (int, float)))
-    error = status.get("error")
-    return key, {
-        "state": _STATES[state],
-        "preloadedWeightsBytes": preloaded,
-        "expectedBytes": expected,
-        "transport": str(status.get("transport_backend") or status.get("transport") or ""),
-        "fingerprint": str(status.get("fingerprint") or ""),
-        "loadSeconds": load_seconds,
-        "readopted": bool(status.get("readopted", False)),
-        "message": str(error)[:1024] if error else "",
-    }
+def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str) -> DeviceReport:
+    """The report of this daemon's status; ``ValueError`` names a field the schema refuses."""
+    for name in ("preloaded_weights_bytes", "expected_bytes"):
+        value = getattr(status, name)
+        if not 0 <= value <= MAX_DEVICE_BYTES:
+            raise ValueError(f"daemon status field {name!r}: {value} is out of range")
+    annotation_key(status.gpu)  # raises for a device name the annotation key cannot carry
+    return DeviceReport(
+        v=REPORT_VERSION,
+        device=status.gpu,
+        node=node,
+        spec_hash=spec_hash,
+        state=_STATES[status.state],
+        preloaded_weights_bytes=status.preloaded_weights_bytes,
+        expected_bytes=status.expected_bytes,
+        transport=status.transport_backend or "",
+        fingerprint=status.fingerprint or "",
+        load_seconds=status.load_seconds,
+        readopted=status.readopted,
+        message=(status.error or "")[:MAX_MESSAGE_CHARS],
+        load_source=status.load_source or "",
+        seeded_from=status.seeded_from or "",
+        reported_at=now,
+    )
 
 
-def merge_report(
-    existing: str | None, key: str, entry: Mapping[str, Any], spec_hash: str, reported_at: str
-) -> str | None:
-    """The annotation with this GPU's entry merged in, or None when it already says so.
-
-    Entries of the other GPUs in the pod are kept. An unreadable annotation, or
-    one written for another spec, is replaced rather than trusted.
-    """
-    try:
-        current = json.loads(existing) if existing else None
-    except ValueError:
-        current = None
-    gpus: dict[str, Any] = {}
-    if (
-        isinstance(current, dict)
-        and current.get("v") == REPORT_VERSION
-        and current.get("specHash") == spec_hash
-        and isinstance(current.get("gpus"), dict)
-    ):
-        gpus = dict(current["gpus"])
-        if gpus.get(key) == dict(entry):
-            return None
-    gpus[key] = dict(entry)
-    report = {"v": REPORT_VERSION, "specHash": spec_hash, "gpus": gpus, "reportedAt": reported_at}
-    return json.dumps(report, sort_keys=True, separators=(",", ":"))
-
-
-def report_patch(annotation: str, resource_version: str) -> dict[str, Any]:
-    """Merge patch that only applies if the pod is still at `resource_version`."""
-    return {
-        "metadata": {
-            "resourceVersion": resource_version,
-            "annotations": {REPORT_ANNOTATION: annotation},
-        }
-    }
-
-
-def rfc3339_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def report_patch(report: DeviceReport) -> dict[str, Any]:
+    """Merge patch setting this device's annotation; it needs no read and no resourceVersion."""
+    return {"metadata": {"annotations": {annotation_key(report.device): encode_report(report)}}}
 
 
 def _default_api() -> Any:
-    """A CoreV1Api on the in-cluster config, else on $KUBECONFIG."""
-    from kubernetes import client, config
+    from kubernetes import client
 
-    configuration = client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=configuration)
-    else:
-        # Read $KUBECONFIG now: the client library reads it once, at import.
-        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=configuration)
-    return client.CoreV1Api(client.ApiClient(configuration))
+    return client.CoreV1Api(api_client())
 
 
 class PodReporter:
-    """Keeps this GPU's entry in the pod annotation equal to the latest status."""
+    """Keeps this device's annotation equal to the latest status."""
 
     def __init__(
         self,
         pod_name: str,
         namespace: str,
         spec_hash: str,
+        node: str = "",
         api_factory: Callable[[], Any] = _default_api,
         backoff: tuple[float, float] = (0.5, 30.0),
         resync_seconds: float = 60.0,
-        max_conflicts: int = 20,
     ) -> None:
         self.pod_name = pod_name
         self.namespace = namespace
         self.spec_hash = spec_hash
+        self.node = node
         self._api_factory = api_factory
         self._api: Any = None
         self._backoff = backoff
         self._resync = resync_seconds
-        self._max_conflicts = max_conflicts
         self._lock = threading.Condition()
-        self._pending: tuple[str, dict[str, Any]] | None = None
-        self._latest: tuple[str, dict[str, Any]] | None = None
+        self._latest: DeviceReport | None = None
+        self._written: DeviceReport | None = None
         self._generation = 0
         self._reported_generation = 0
         self._stopping = False
@@ -166,21 +118,22 @@ class PodReporter:
         pod, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE")
         if not pod or not namespace:
             return None
-        return cls(pod, namespace, env.get(SPEC_HASH_ENV, ""), **kwargs)
+        return cls(pod, namespace, env.get(SPEC_HASH_ENV, ""), env.get(NODE_NAME_ENV, ""),
+                   **kwargs)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="weightcache-reporter", daemon=True)
         self._thread.start()
 
-    def update(self, status: Mapping[str, Any] | msgspec.Struct) -> None:
+    def update(self, status: DaemonStatus) -> None:
         """Queue the daemon's latest status; never blocks, never raises."""
         try:
-            item = gpu_entry(status)
-        except ValueError:
+            report = device_report(status, self.spec_hash, self.node, rfc3339_now())
+        except (ValueError, KeyError, TypeError):
             log.exception("not reporting an invalid daemon status")
             return
         with self._lock:
-            self._pending = item
+            self._latest = report
             self._generation += 1
             self._lock.notify_all()
 
@@ -205,28 +158,27 @@ class PodReporter:
         delay = self._backoff[0]
         while True:
             with self._lock:
-                wait = None if self._latest is None else self._resync
-                self._lock.wait_for(
+                # Between changes, rewrite the report now and then: someone may have removed it.
+                wait = None if self._written is None else self._resync
+                changed = self._lock.wait_for(
                     lambda: self._stopping or self._reported_generation < self._generation,
                     timeout=wait,
                 )
                 if self._stopping:
                     return
                 generation = self._generation
-                if self._pending is not None:
-                    self._latest, self._pending = self._pending, None
-                item = self._latest
-            if item is None:
+                report = self._latest
+            if report is None:
+                continue
+            if changed and _same_but_time(report, self._written):
+                self._mark_reported(generation)
                 continue
             try:
-                self._write(*item)
+                self._write(report)
             except Exception as exc:  # noqa: BLE001 - any failure is retried, never fatal
                 log.warning(
                     "report to pod %s/%s failed, retrying in %.1fs: %s",
-                    self.namespace,
-                    self.pod_name,
-                    delay,
-                    exc,
+                    self.namespace, self.pod_name, delay, exc,
                 )
                 with self._lock:
                     self._lock.wait_for(
@@ -236,35 +188,26 @@ class PodReporter:
                 self._api = None if _is_auth_error(exc) else self._api
                 continue
             delay = self._backoff[0]
-            with self._lock:
-                self._reported_generation = max(self._reported_generation, generation)
-                self._lock.notify_all()
+            self._written = report
+            self._mark_reported(generation)
 
-    def _write(self, key: str, entry: dict[str, Any]) -> None:
-        """One report: retries 409 Conflicts itself, raises anything else."""
+    def _mark_reported(self, generation: int) -> None:
+        with self._lock:
+            self._reported_generation = max(self._reported_generation, generation)
+            self._lock.notify_all()
+
+    def _write(self, report: DeviceReport) -> None:
         if self._api is None:
             self._api = self._api_factory()
-        for _ in range(self._max_conflicts):
-            pod = self._api.read_namespaced_pod(self.pod_name, self.namespace)
-            annotations = pod.metadata.annotations or {}
-            merged = merge_report(
-                annotations.get(REPORT_ANNOTATION), key, entry, self.spec_hash, rfc3339_now()
-            )
-            if merged is None:
-                return
-            try:
-                self._api.patch_namespaced_pod(
-                    self.pod_name,
-                    self.namespace,
-                    report_patch(merged, pod.metadata.resource_version),
-                    _content_type="application/merge-patch+json",
-                )
-                return
-            except Exception as exc:
-                if getattr(exc, "status", None) != 409:
-                    raise
-                log.debug("report conflict on pod %s, merging again", self.pod_name)
-        raise RuntimeError(f"gave up after {self._max_conflicts} conflicting writers")
+        self._api.patch_namespaced_pod(
+            self.pod_name, self.namespace, report_patch(report),
+            _content_type="application/merge-patch+json",
+        )
+
+
+def _same_but_time(a: DeviceReport, b: DeviceReport | None) -> bool:
+    """Whether `b` already says what `a` says (only the timestamp may differ)."""
+    return b is not None and msgspec.structs.replace(a, reported_at=b.reported_at) == b
 
 
 def _is_auth_error(exc: Exception) -> bool:

@@ -26,7 +26,9 @@ class ResidentWeights:
     export: Export
     expected_bytes: int
     load_seconds: float
-    load_source: str
+    load_source: str  # disk | readopted | peer
+    # load_source "peer": the GPU (UUID, or "cpu") the weights were copied from.
+    seeded_from: str | None = None
 
     @property
     def transport(self) -> str:

@@ -1,16 +1,20 @@
 """The daemon's Unix socket: accept, check the peer, answer requests.
 
 Each connection gets its own thread, up to ``max_connections``; beyond that a
-client is told the daemon is busy instead of waiting. Any bad frame is
-answered with an error and its connection closed; other clients never notice.
+client is told the daemon is busy instead of waiting, and so is a client whose
+thread cannot be started (out of threads or memory): nothing one connection
+meets ends the accept loop. Only a broken listener does, and then
+:attr:`SocketServer.died` says so (liveness and readiness fail). Any bad frame
+is answered with an error and its connection closed; other clients never
+notice.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -30,24 +34,15 @@ from weightcache.protocol import (
     config_differences,
     decode_request,
 )
+from weightcache.sockets import PeerPolicy, peer_credentials
 from weightcache.transport import choose_daemon_transport_backend
 from weightcache.wire import PeerClosed, recv_frame, send_message
 
 log = logging.getLogger(__name__)
 
-_PEERCRED = struct.Struct("3i")
 MAX_ERROR_CHARS = 1024
-
-
-@dataclass(frozen=True)
-class PeerPolicy:
-    """Who may connect: a peer passes if its uid or its gid is listed."""
-
-    uids: frozenset[int]
-    gids: frozenset[int] = frozenset()
-
-    def allows(self, uid: int, gid: int) -> bool:
-        return uid in self.uids or gid in self.gids
+# accept() errors that mean the listening socket itself is unusable.
+_BROKEN_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EOPNOTSUPP})
 
 
 @dataclass
@@ -70,37 +65,6 @@ class ServerCounters:
     def count(self, table: dict[str, int], key: str) -> None:
         with self.lock:
             table[key] = table.get(key, 0) + 1
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    pid, uid, gid = _PEERCRED.unpack(
-        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    )
-    return pid, uid, gid
-
-
-def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory 0750 (tightening it if we own it)."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o750, exist_ok=True)
-    if os.stat(directory).st_uid == os.getuid():
-        os.chmod(directory, 0o750)
-
-
-def bind_unix_socket(path: str) -> socket.socket:
-    """Bind ``path`` with mode 0660, replacing a stale socket file."""
-    if os.path.exists(path):
-        # The caller holds the device lock, so nobody else is serving here.
-        os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o117)  # created 0660: never briefly world-accessible
-    try:
-        listener.bind(path)
-    finally:
-        os.umask(old_umask)
-    os.chmod(path, 0o660)
-    listener.listen(128)
-    return listener
 
 
 class SocketServer:
@@ -130,9 +94,30 @@ class SocketServer:
         self._stopping = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._threads_lock = threading.Lock()
+        self._loop = "new"  # -> "accepting" -> "stopped"
         self.counters = ServerCounters()
 
+    @property
+    def accepting(self) -> bool:
+        """Whether the accept loop is running (readiness needs it)."""
+        return self._loop == "accepting"
+
+    @property
+    def died(self) -> bool:
+        """The accept loop ended without :meth:`stop`: nobody new will be served again."""
+        return self._loop == "stopped" and not self._stopping.is_set()
+
     def serve_forever(self) -> None:
+        self._loop = "accepting"
+        try:
+            self._accept_loop()
+        except BaseException:
+            log.exception("the socket server's accept loop died")
+            raise
+        finally:
+            self._loop = "stopped"
+
+    def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
                 conn, _ = self._listener.accept()
@@ -141,13 +126,23 @@ class SocketServer:
             except OSError as exc:
                 if self._stopping.is_set():
                     return
+                if exc.errno in _BROKEN_LISTENER:
+                    # Not transient: the listener itself is gone. Say so (readiness and
+                    # liveness fail) instead of spinning.
+                    log.error("accept failed on a broken listener (%s); no longer accepting", exc)
+                    return
                 # Out of fds, buffers, or an aborted handshake: transient. Dying
                 # here would leave a daemon that looks healthy and serves nobody.
                 self.counters.count(self.counters.refused, "accept_error")
                 log.warning("accept failed (%s); retrying", exc)
                 time.sleep(0.1)
                 continue
-            self._admit(conn)
+            try:
+                self._admit(conn)
+            except Exception:  # one connection must never end the loop
+                self.counters.count(self.counters.refused, "admit_error")
+                log.exception("admitting a connection failed; closed it")
+                conn.close()
 
     def stop(self, grace_seconds: float = 10.0) -> bool:
         """Stop accepting; let in-flight connections finish for up to ``grace_seconds``.
@@ -178,20 +173,31 @@ class SocketServer:
         if not self._slots.acquire(blocking=False):
             self.counters.count(self.counters.refused, "busy")
             self._reply_and_close(
-                conn, f"busy: {self._limits.max_connections} connections in progress; retry"
+                conn, f"busy: {self._limits.max_connections} connections in progress",
+                retryable=True,
             )
             return
         thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
         with self._threads_lock:
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # "can't start new thread": out of threads or memory
+            with self._threads_lock:
+                self._threads.discard(thread)
+            self._slots.release()
+            self.counters.count(self.counters.refused, "thread_start")
+            log.warning("cannot start a thread for pid %d (%s); refused it", pid, exc)
+            self._reply_and_close(
+                conn, "busy: cannot start a thread for this connection", retryable=True
+            )
 
-    def _reply_and_close(self, conn: socket.socket, error: str) -> None:
+    def _reply_and_close(self, conn: socket.socket, error: str, retryable: bool = False) -> None:
         if len(error) > MAX_ERROR_CHARS:
             # Decode errors quote the offending value, which may be megabytes long.
             error = error[:MAX_ERROR_CHARS] + "... (truncated)"
         try:
-            send_message(conn, ErrorReply(v=1, error=error))
+            send_message(conn, ErrorReply(v=1, error=error, retryable=retryable))
         except OSError:
             pass
         conn.close()
@@ -241,7 +247,8 @@ class SocketServer:
             send_message(
                 conn,
                 FetchStateReply(
-                    v=1, status="error", pid=os.getpid(), error="daemon is still loading; retry"
+                    v=1, status="error", pid=os.getpid(), error="daemon is still loading",
+                    retryable=True,
                 ),
             )
             return

@@ -12,19 +12,16 @@ from pathlib import Path
 
 import torch
 
+from weightcache.daemon import digest_cuda, health
 from weightcache.daemon.http import start_http_server
-from weightcache.daemon.lock import DeviceLock
-from weightcache.daemon.manifest import save_manifest
-from weightcache.daemon.readopt import try_readopt
-from weightcache.daemon.resident import ResidentWeights, load_from_disk
-from weightcache.daemon.server import (
-    PeerPolicy,
-    ServerLimits,
-    SocketServer,
-    bind_unix_socket,
-    prepare_socket_dir,
-)
+from weightcache.daemon.lock import DeviceLock, lock_path
+from weightcache.daemon.readopt import ReadoptBudget, try_readopt
+from weightcache.daemon.resident import ResidentWeights
+from weightcache.daemon.seed import WAIT_SECONDS, Obtained, obtain_weights
+from weightcache.daemon.server import ServerCounters, ServerLimits, SocketServer
+from weightcache.daemon.statedir import prepare_state_dir
 from weightcache.protocol import DaemonStatus, ShardSpec
+from weightcache.sockets import PeerPolicy, listen_unix, prepare_socket_dir
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +40,14 @@ class DaemonOptions:
     limits: ServerLimits = field(default_factory=ServerLimits)
     http_address: tuple[str, int] | None = None
     drain_seconds: float = 10.0
+    # /healthz fails once a load makes no progress for this long (see daemon.health).
+    stall_seconds: float = health.STALL_SECONDS
+    # Re-adoption's whole asking; each engine gets limits.timeout_seconds of it at most.
+    readopt_seconds: float = 60.0
+    # Copy the weights from a ready neighbour daemon holding the same ones (daemon.seed);
+    # wait this long for one that is reading them from disk before reading it too.
+    peer_seed: bool = True
+    peer_wait_seconds: float = WAIT_SECONDS
 
 
 class Daemon:
@@ -53,6 +58,7 @@ class Daemon:
         self._load_reason: str | None = None
         self._resident: ResidentWeights | None = None
         self._server: SocketServer | None = None
+        self._progress = health.LoadProgress()
         self._stop = threading.Event()
         # Called with the new status whenever the state changes (the reporter).
         self.status_listeners: list[Callable[[DaemonStatus], None]] = []
@@ -74,12 +80,29 @@ class Daemon:
             fingerprint=r.fingerprint if r else None,
             load_seconds=r.load_seconds if r else None,
             load_source=r.load_source if r else None,  # type: ignore[arg-type]
+            seeded_from=r.seeded_from if r else None,
             readopted=bool(r and r.load_source == "readopted"),
             socket=self.options.socket_path,
             clients_served=served,
             error=self._error,
             load_reason=self._load_reason,
         )
+
+    def counters(self) -> ServerCounters:
+        return self._server.counters if self._server is not None else ServerCounters()
+
+    def liveness(self) -> health.Probe:
+        return health.liveness(
+            state=self._state,
+            server_died=self._server is not None and self._server.died,
+            phase=self._progress.phase,
+            idle_seconds=self._progress.idle_seconds(),
+            stall_seconds=self.options.stall_seconds,
+        )
+
+    def readiness(self) -> health.Probe:
+        accepting = self._server is not None and self._server.accepting
+        return health.readiness(state=self._state, accepting=accepting)
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -97,15 +120,17 @@ class Daemon:
         """Serve until SIGTERM/SIGINT; return the process exit code."""
         opts = self.options
         prepare_socket_dir(opts.socket_path)
-        lock = DeviceLock(opts.socket_path + ".lock")
+        prepare_state_dir(opts.socket_path)
+        lock = DeviceLock(lock_path(opts.socket_path))
         lock.acquire()
-        listener = bind_unix_socket(opts.socket_path)
+        # Under the device lock, so replacing a stale socket file is ours to do.
+        listener = listen_unix(opts.socket_path, backlog=128)
         self._server = SocketServer(
             listener, opts.policy, opts.limits, lambda: self._resident, self.status
         )
         http = None
         if opts.http_address is not None:
-            http = start_http_server(*opts.http_address, self.status, lambda: self._server.counters)
+            http = start_http_server(*opts.http_address, self)
         threading.Thread(target=self._server.serve_forever, daemon=True, name="socket").start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
@@ -113,6 +138,7 @@ class Daemon:
         log.info("serving %s on %s (loading %s)", opts.device, opts.socket_path, opts.model_dir)
         self._set_state("loading")
         code = 0
+        obtained: Obtained | None = None
         try:
             disk = (
                 opts.model_dir,
@@ -122,13 +148,30 @@ class Daemon:
                 opts.shard,
                 opts.revision,
             )
-            readoption = try_readopt(opts.socket_path, opts.gpu, opts.policy, *disk)
+            digest_cuda.warm_up_async(opts.device)  # both re-adoption and seeding digest
+            self._progress.mark("re-adopting")
+            readoption = try_readopt(
+                opts.socket_path,
+                opts.gpu,
+                opts.policy,
+                *disk,
+                budget=ReadoptBudget(opts.limits.timeout_seconds, opts.readopt_seconds),
+                progress=self._progress.mark,
+            )
             self._load_reason = readoption.reason
             self._resident = readoption.resident
             if self._resident is None:
-                log.info("loading from disk: %s", readoption.reason)
-                self._resident = load_from_disk(*disk)
-                save_manifest(opts.socket_path, opts.gpu, self._resident)
+                obtained = obtain_weights(
+                    opts.socket_path,
+                    opts.gpu,
+                    *disk,
+                    seed=opts.peer_seed,
+                    wait_seconds=opts.peer_wait_seconds,
+                    timeout=opts.limits.timeout_seconds,
+                    progress=self._progress.mark,
+                )
+                self._resident = obtained.resident
+                self._load_reason = f"{readoption.reason}; {obtained.reason}"
             r = self._resident
             log.info(
                 "ready: %d bytes resident via %s in %.2f s (%s), fingerprint %s",
@@ -139,6 +182,8 @@ class Daemon:
                 r.fingerprint,
             )
             self._set_state("ready")
+            if obtained is not None:
+                obtained.release()  # neighbours waiting for our disk read now find us ready
             # Not one untimed wait: SIGTERM may be taken by another thread, and then the
             # main thread, asleep in the wait, would never run the Python handler.
             while not self._stop.wait(0.5):
@@ -148,9 +193,12 @@ class Daemon:
             self._set_state("error", f"load failed: {exc}")
             code = 1
         finally:
+            if obtained is not None:
+                obtained.release()
             drained = self._server.stop(opts.drain_seconds)
             if http is not None:
                 http.shutdown()
+                http.server_close()
             # A connection still sending must not see its fds closed (and their
             # numbers reused) under it; the process exit releases them instead.
             if self._resident is not None and drained:

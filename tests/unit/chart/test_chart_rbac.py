@@ -49,7 +49,7 @@ def test_cluster_wide_install_grants_exactly_the_operator_rules(render: Renderer
 
 
 @pytest.mark.parametrize("daemon_namespaces", [[], ["team-a", "team-b"]])
-def test_daemon_gets_get_and_patch_pods_in_its_namespaces_only(
+def test_daemon_gets_patch_pods_in_its_namespaces_only(
     render: Renderer, daemon_namespaces: list[str]
 ) -> None:
     docs = render(set_values=[f"daemon.namespaces={{{','.join(daemon_namespaces)}}}"]

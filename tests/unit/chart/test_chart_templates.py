@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.chart.chartkit import VALUE_SETS, Renderer, files, one, values_id
+from weightcache_operator.policy import Policy, policy_from_env
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -41,21 +42,48 @@ def test_operator_pod_is_hardened(render: Renderer, values: Path | None) -> None
     assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
 
 
-def test_images_default_to_app_version_and_a_digest_pins_them(render: Renderer) -> None:
-    pod = operator_pod(render())
+def policy_of(pod: dict) -> Policy:
     (container,) = pod["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert container["image"] == "ghcr.io/weightcache/operator:0.1.0"
-    assert env["WEIGHTCACHE_SIDECAR_IMAGE"] == "ghcr.io/weightcache/sidecar:0.1.0"
+    return policy_from_env(env)
+
+
+def test_images_default_to_app_version_and_a_digest_pins_them(render: Renderer) -> None:
+    pod = operator_pod(render())
+    policy = policy_of(pod)
+    assert pod["containers"][0]["image"] == "ghcr.io/weightcache/operator:0.1.0"
+    # The privileged set-up step runs the operator's own image.
+    assert policy.setup_image == pod["containers"][0]["image"]
+    assert policy.sidecar_image == "ghcr.io/weightcache/sidecar:0.1.0"
 
     pod = operator_pod(render(set_values=[
         f"image.digest={DIGEST}", "image.tag=1.2.3", f"sidecarImage.digest={DIGEST}",
         "sidecarImage.repository=reg.example.com/wc/sidecar",
     ]))
-    (container,) = pod["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert container["image"] == f"ghcr.io/weightcache/operator:1.2.3@{DIGEST}"
-    assert env["WEIGHTCACHE_SIDECAR_IMAGE"] == f"reg.example.com/wc/sidecar:0.1.0@{DIGEST}"
+    policy = policy_of(pod)
+    assert pod["containers"][0]["image"] == f"ghcr.io/weightcache/operator:1.2.3@{DIGEST}"
+    assert policy.setup_image == pod["containers"][0]["image"]
+    assert policy.sidecar_image == f"reg.example.com/wc/sidecar:0.1.0@{DIGEST}"
+
+
+def test_the_operator_gets_the_same_policy_admission_enforces(render: Renderer) -> None:
+    docs = render(set_values=[
+        "cachePolicy.allowedHostPaths.socketDirs={/run/wc}",
+        "cachePolicy.allowedHostPaths.modelDirs={/srv/models,/data/m}",
+        "cachePolicy.allowedSidecarImagePrefixes={reg.example.com/wc/}",
+        "cachePolicy.allowedTransports={vmm_fd}",
+        "daemon.serviceAccount.name=wc-daemon",
+    ])
+    policy = policy_of(operator_pod(docs))
+    assert policy.allowed_host_paths.socket_dirs == ("/run/wc",)
+    assert policy.allowed_host_paths.model_dirs == ("/srv/models", "/data/m")
+    assert policy.allowed_sidecar_image_prefixes == ("reg.example.com/wc/",)
+    assert policy.allowed_transports == ("vmm_fd",)
+    assert policy.daemon_service_account == "wc-daemon"
+    rules = " ".join(v["expression"] for v in one(
+        docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"])
+    for value in ("'/run/wc'", "'/srv/models','/data/m'", "'reg.example.com/wc/'", "'vmm_fd'"):
+        assert value in rules
 
 
 def test_metrics_service_selects_the_operator_pod(render: Renderer) -> None:
@@ -82,22 +110,23 @@ def test_report_guard_matches_exactly_the_daemon_accounts(render: Renderer) -> N
 
 def test_report_guard_can_be_turned_off(render: Renderer) -> None:
     docs = render(set_values=["daemon.reportGuard.enabled=false"])
-    assert not [d for d in docs if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert not [d for d in docs if "report-guard" in d["metadata"]["name"]]
 
 
-def test_cache_policy_renders_only_what_restricts(render: Renderer) -> None:
-    assert not [d for d in render() if "cache-policy" in d["metadata"]["name"]]
-    docs = render(set_values=["cachePolicy.allowedTransports={auto,vmm_fd,memfd}"])
-    policy = one(docs, "ValidatingAdmissionPolicy", "-cache-policy")
-    (rule,) = policy["spec"]["validations"]
-    assert "object.spec.transport in ['auto','vmm_fd','memfd']" in rule["expression"]
-    docs = render(set_values=["cachePolicy.allowedSidecarImagePrefixes={reg.example.com/wc/}"])
-    (rule,) = one(docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"]
-    assert "['reg.example.com/wc/'].exists(p, object.spec.sidecar.image.startsWith(p))" in (
-        rule["expression"])
-    docs = render(set_values=["cachePolicy.enabled=false",
-                              "cachePolicy.allowedTransports={vmm_fd}"])
+def test_cache_policy_defaults_are_secure_and_admission_can_be_turned_off(
+    render: Renderer,
+) -> None:
+    policy = policy_of(operator_pod(render()))
+    # torch_ipc (hostPID, hostIPC) only when an admin adds it.
+    assert "torch_ipc" not in policy.allowed_transports
+    assert policy.allowed_host_paths.socket_dirs == ("/var/run/weightcache",)
+    assert policy.allowed_host_paths.model_dirs == ("/models",)
+    validations = one(render(), "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"]
+    assert len(validations) == 3  # transport, socketDir, model.path; any image by default
+    docs = render(set_values=["cachePolicy.enabled=false"])
     assert not [d for d in docs if "cache-policy" in d["metadata"]["name"]]
+    # The operator enforces the policy either way.
+    assert policy_of(operator_pod(docs)) == policy
 
 
 def test_helm_test_pod_checks_the_operator_endpoints(render: Renderer) -> None:

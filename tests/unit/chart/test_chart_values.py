@@ -55,6 +55,17 @@ BAD_VALUES = [
                  ["/cachePolicy/allowedSidecarImagePrefixes/0"], id="quote-in-image-prefix"),
     pytest.param({"resources": {"limits": {"memory": "1 GiB"}}}, ["/resources/limits/memory"],
                  id="malformed-quantity"),
+    pytest.param({"cachePolicy": {"allowedHostPaths": {"socketDirs": ["/"], "modelDirs": []}}},
+                 ["/cachePolicy/allowedHostPaths/socketDirs/0"], id="root-as-socket-dir"),
+    pytest.param({"cachePolicy": {"allowedHostPaths": {"socketDirs": [],
+                                                       "modelDirs": ["/models/../etc"]}}},
+                 ["/cachePolicy/allowedHostPaths/modelDirs/0"], id="dotdot-model-dir"),
+    pytest.param({"cachePolicy": {"allowedHostPaths": {"socketDirs": ["run/wc"],
+                                                       "modelDirs": []}}},
+                 ["/cachePolicy/allowedHostPaths/socketDirs/0"], id="relative-socket-dir"),
+    pytest.param({"cachePolicy": {"allowedHostPaths": {"socketDirs": ["/run/wc/"],
+                                                       "modelDirs": []}}},
+                 ["/cachePolicy/allowedHostPaths/socketDirs/0"], id="trailing-slash"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""operator/Dockerfile and sidecar/Dockerfile, read as text (no Docker engine here).
+"""operator/Dockerfile, sidecar/Dockerfile and examples/minilm-engine.Dockerfile, read as text.
 
 Checks what a build would otherwise only reveal later: pinned bases (no
 `latest`, no bare name), a non-root final USER, COPY sources that exist in the
@@ -16,7 +16,11 @@ import pytest
 
 from tests.unit.chart.chartkit import REPO_ROOT
 
-DOCKERFILES = [REPO_ROOT / "operator" / "Dockerfile", REPO_ROOT / "sidecar" / "Dockerfile"]
+DOCKERFILES = [
+    REPO_ROOT / "operator" / "Dockerfile",
+    REPO_ROOT / "sidecar" / "Dockerfile",
+    REPO_ROOT / "examples" / "minilm-engine.Dockerfile",
+]
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 
 from weightcache.daemon.manifest import (
     BLAKE2B,
+    BLAKE2B_SLICE,
     LINEAR,
     M31,
     M61,
@@ -20,14 +21,17 @@ from weightcache.daemon.manifest import (
     algorithm_for,
     allocation_digests,
     build_manifest,
+    digests_under,
     inner_keys,
     linear_digest,
+    linear_digests,
     manifest_path,
     outer_key,
     read_manifest,
     stale_reason,
     write_manifest,
 )
+from weightcache.daemon.statedir import StateDirError, prepare_state_dir
 from weightcache.layout import TensorSpec, plan_layout
 from weightcache.protocol import (
     CacheConfig,
@@ -66,10 +70,12 @@ def manifest(**changes) -> Manifest:
 
 
 def test_written_atomically_with_mode_0600_and_read_back(tmp_path) -> None:
-    path = manifest_path(str(tmp_path / "cpu.sock"))
-    assert path == str(tmp_path / "cpu.sock.manifest")
-    old = os.umask(0)  # a permissive umask must not widen the file
+    socket = str(tmp_path / "cpu.sock")
+    path = manifest_path(socket)
+    assert path == str(tmp_path / ".daemon" / "cpu.sock.manifest")
+    old = os.umask(0)  # a permissive umask must not widen the file or its directory
     try:
+        prepare_state_dir(socket)
         write_manifest(path, manifest(gpu="cpu"))
         first = read_manifest(path)
         write_manifest(path, manifest(transport="vmm_fd"))
@@ -78,12 +84,19 @@ def test_written_atomically_with_mode_0600_and_read_back(tmp_path) -> None:
     assert first.transport == "memfd"
     assert read_manifest(path).transport == "vmm_fd"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert sorted(os.listdir(tmp_path)) == ["cpu.sock.manifest"], "temporary file left behind"
+    assert stat.S_IMODE(os.stat(tmp_path / ".daemon").st_mode) == 0o700
+    assert sorted(os.listdir(tmp_path / ".daemon")) == ["cpu.sock.manifest"], "temporary left"
 
 
 def test_missing_manifest_says_so(tmp_path) -> None:
     with pytest.raises(ManifestError, match="no manifest at .*first start"):
         read_manifest(str(tmp_path / "cpu.sock.manifest"))
+
+
+def write_private(path: str, content: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content)
 
 
 @pytest.mark.parametrize(
@@ -104,8 +117,7 @@ def test_inconsistent_manifests_are_refused_with_the_reason(tmp_path, content, m
         else:
             bad = msgspec.structs.replace(good, digests=good.digests * 2)
         content = msgspec.json.encode(bad)
-    with open(path, "wb") as f:
-        f.write(content)
+    write_private(path, content)
     with pytest.raises(ManifestError, match=message):
         read_manifest(path)
 
@@ -120,7 +132,68 @@ def test_manifest_owned_by_another_uid_is_refused(tmp_path) -> None:
         read_manifest(path)
 
 
-# --------------------------------------------------------------------------- staleness
+# A manifest others could have read (its key) or written, or reached through a link, is
+# refused: each case is something an engine could have arranged in a shared directory.
+def _readable_by_group(tmp_path) -> tuple[str, str]:
+    path = str(tmp_path / ".daemon" / "m")
+    write_manifest(path, manifest())
+    os.chmod(path, 0o640)
+    return path, "has mode 0640: others may have read its key"
+
+
+def _a_symlink(tmp_path) -> tuple[str, str]:
+    real = str(tmp_path / ".daemon" / "real")
+    write_manifest(real, manifest())
+    os.symlink(real, tmp_path / ".daemon" / "m")
+    return str(tmp_path / ".daemon" / "m"), "cannot open manifest"
+
+
+def _dir_a_symlink(tmp_path) -> tuple[str, str]:
+    write_manifest(str(tmp_path / ".daemon" / "m"), manifest())
+    os.rename(tmp_path / ".daemon", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / ".daemon")
+    return str(tmp_path / ".daemon" / "m"), "is a symlink or not a directory"
+
+
+def _dir_open_to_group(tmp_path) -> tuple[str, str]:
+    write_manifest(str(tmp_path / ".daemon" / "m"), manifest())
+    os.chmod(tmp_path / ".daemon", 0o750)
+    return str(tmp_path / ".daemon" / "m"), "has mode 0750: others may enter it"
+
+
+def _dir_of_another_uid(tmp_path) -> tuple[str, str]:
+    write_manifest(str(tmp_path / ".daemon" / "m"), manifest())
+    os.chown(tmp_path / ".daemon", 65534, 65534)
+    return str(tmp_path / ".daemon" / "m"), "is owned by uid 65534, not this daemon's"
+
+
+@pytest.mark.parametrize(
+    "arrange",
+    [_readable_by_group, _a_symlink, _dir_a_symlink, _dir_open_to_group, _dir_of_another_uid],
+)
+def test_a_manifest_others_could_touch_is_refused(tmp_path, arrange) -> None:
+    if os.getuid() != 0 and arrange is _dir_of_another_uid:
+        pytest.skip("needs root to chown the directory to another uid")
+    prepare_state_dir(str(tmp_path / "cpu.sock"))
+    path, message = arrange(tmp_path)
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(path)
+
+
+def test_the_private_dir_is_never_followed_or_borrowed(tmp_path) -> None:
+    socket = str(tmp_path / "cpu.sock")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    os.symlink(elsewhere, tmp_path / ".daemon")
+    with pytest.raises(StateDirError, match="is a symlink or not a directory"):
+        prepare_state_dir(socket)
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
+    os.unlink(tmp_path / ".daemon")
+    if os.getuid() == 0:
+        os.mkdir(tmp_path / ".daemon", 0o777)
+        os.chown(tmp_path / ".daemon", 65534, 65534)
+        with pytest.raises(StateDirError, match="owned by uid 65534"):
+            prepare_state_dir(socket)
 
 
 def test_a_manifest_matching_what_would_load_is_not_stale() -> None:
@@ -217,3 +290,18 @@ def test_every_manifest_gets_a_fresh_key() -> None:
     key = bytes.fromhex(a.checksum_key)
     assert allocation_digests(buffers(), a.checksum, key) == a.digests
     assert allocation_digests(buffers(seed=1), a.checksum, key) != a.digests
+
+
+def test_digests_under_several_keys_equal_one_key_at_a_time() -> None:
+    # A seeded daemon checks its copy under its neighbour's key and digests it under its
+    # own in one pass; each must be what a pass of its own would give.
+    other = bytes(range(32))
+    buffer = torch.randint(0, 256, (40 * 1024 + 512,), dtype=torch.uint8)
+    both = linear_digests(buffer, [KEY, other], 4096)
+    assert both == [reference_linear_digest(buffer, k, 4096) for k in (KEY, other)]
+    memfd_bytes = torch.randint(0, 256, (BLAKE2B_SLICE + 1000,), dtype=torch.uint8)
+    for algorithm, buffers_ in ((LINEAR, [buffer]), (BLAKE2B, [memfd_bytes, buffer[:300]])):
+        together = digests_under(buffers_, algorithm, [KEY, other])
+        assert together == [
+            [allocation_digests([b], algorithm, k)[0] for k in (KEY, other)] for b in buffers_
+        ]

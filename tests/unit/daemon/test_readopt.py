@@ -13,8 +13,6 @@ import os
 import shutil
 import stat
 import struct
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,11 +20,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.unit.wc_harness import DaemonProcess
+from tests.unit.wc_harness import (
+    DAEMON_GID,
+    DAEMON_UID,
+    ENGINE_UID,
+    DaemonProcess,
+    cross_uid_workdir,
+    readable_model_copy,
+)
 from weightcache.client import attach
 from weightcache.daemon.manifest import manifest_path, read_manifest
-from weightcache.handback import engine_sockets, engines_dir
+from weightcache.daemon.readopt import engine_sockets
 from weightcache.protocol import DaemonStatus
+from weightcache.sockets import engines_dir
 
 ENGINE = textwrap.dedent(
     """
@@ -59,41 +65,6 @@ FORGER = textwrap.dedent(
     sys.stdin.read()
     """
 )
-
-
-class Engines:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, socket_path: str, script: str = ENGINE) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", script, socket_path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        line = proc.stdout.readline().strip()
-        if len(line) != 64:
-            proc.kill()
-            raise AssertionError(f"engine failed to attach: {line!r} {proc.stderr.read()}")
-        return proc
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                stream.close()
-
-
-@pytest.fixture
-def engines():
-    e = Engines()
-    yield e
-    e.close()
 
 
 @pytest.fixture
@@ -133,8 +104,8 @@ def test_restart_readopts_from_a_live_engine_without_reading_the_checkpoint(
     assert manifest.fingerprint == first.fingerprint
     assert manifest.layout.allocation_sizes == [first.preloaded_weights_bytes]
     # Created by the daemon, so engine pods may mount just this directory writable.
-    assert stat.S_IMODE(os.stat(engines_dir(daemon.socket)).st_mode) == 0o750
-    engine = engines.start(daemon.socket)
+    assert stat.S_IMODE(os.stat(engines_dir(daemon.socket)).st_mode) == 0o3770
+    engine = engines.start(daemon.socket, ENGINE)
 
     daemon.kill()
     zero_tensor_bytes(model / "model.safetensors")
@@ -149,8 +120,8 @@ def test_restart_readopts_from_a_live_engine_without_reading_the_checkpoint(
     assert status.fingerprint == first.fingerprint
     code, _, body = daemon.http("/status")
     assert code == 200
-    assert json.loads(body)["load_reason"] == status.load_reason
     assert json.loads(body)["readopted"] is True
+    assert "load_reason" not in json.loads(body)  # free text stays off the network
     attached = attach(daemon.socket, transports=["memfd"])
     try:
         for name, tensor in minilm_reference.items():
@@ -191,7 +162,7 @@ def test_with_no_engine_alive_the_daemon_reloads_and_clears_dead_sockets(
     daemons, engines, model
 ) -> None:
     daemon = daemons(model, "--transport", "memfd")
-    engine = engines.start(daemon.socket)
+    engine = engines.start(daemon.socket, ENGINE)
     engine.kill()
     engine.wait()
     attach(daemon.socket, transports=["memfd"]).close()  # a clean detach leaves no socket
@@ -199,13 +170,15 @@ def test_with_no_engine_alive_the_daemon_reloads_and_clears_dead_sockets(
 
     status = restart(daemon)
     assert status.load_source == "disk" and not status.readopted
-    assert status.load_reason == "no live engine to re-adopt from (1 dead engine socket(s) removed)"
+    assert status.load_reason.startswith(
+        "no live engine to re-adopt from (1 dead engine socket(s) removed); read from disk: "
+    )
     assert engine_sockets(daemon.socket) == []
 
 
 def test_without_a_manifest_the_daemon_reloads_and_writes_one(daemons, engines, model) -> None:
     daemon = daemons(model, "--transport", "memfd")
-    engines.start(daemon.socket)
+    engines.start(daemon.socket, ENGINE)
     os.unlink(manifest_path(daemon.socket))
     status = restart(daemon)
     assert status.load_source == "disk"
@@ -217,7 +190,7 @@ def test_a_stale_manifest_makes_the_daemon_reload_the_changed_checkpoint(
     daemons, engines, model, minilm_reference
 ) -> None:
     daemon = daemons(model, "--transport", "memfd")
-    engines.start(daemon.socket)
+    engines.start(daemon.socket, ENGINE)
     name = "embeddings.word_embeddings.weight"
     changed = dict(minilm_reference)
     changed[name] = minilm_reference[name] + 1
@@ -239,3 +212,190 @@ def test_torch_ipc_says_it_cannot_readopt_and_writes_no_manifest(torch_ipc_daemo
     assert status.load_source == "disk"
     assert "torch_ipc cannot re-adopt" in status.load_reason
     assert not os.path.exists(manifest_path(torch_ipc_daemon.socket))
+
+
+# --------------------------------------------------------------------------- across uids
+# The Kubernetes defaults: the daemon runs as 65533:65533, engines under their own uid
+# with the daemon's gid as primary group. Re-adoption must work across them, and an
+# engine must not be able to poison what the next daemon serves.
+
+# An engine of another uid in the daemon's group, attacking as the issue describes: it
+# tries to read the checksum key, to rewrite or replace what the daemon reads at start,
+# and offers a sealed memfd of its own (the real bytes, one tensor zeroed) under the
+# right fingerprint and sizes, to the daemon's uid.
+ATTACKER = textwrap.dedent(
+    """
+    import fcntl, json, os, sys
+    from weightcache.client import attach
+    from weightcache.daemon.manifest import manifest_path
+    from weightcache.sockets import PeerPolicy
+    from weightcache.handback import HandbackServer
+    from weightcache.transport.memfd import REQUIRED_SEALS
+    sock = sys.argv[1]
+    real = attach(sock, transports=["memfd"], handback=False)
+    private = os.path.dirname(manifest_path(sock))
+    attempts = {
+        "read the manifest": lambda: open(manifest_path(sock), "rb").read(),
+        "list the private dir": lambda: os.listdir(private),
+        "write a manifest beside the socket": lambda: open(sock + ".manifest", "wb"),
+        "move the private dir away": lambda: os.rename(private, private + ".old"),
+        "plant a private dir of its own": lambda: os.mkdir(private + "2"),
+        "replace the daemon's socket": lambda: os.unlink(sock),
+    }
+    outcome = {}
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+            outcome[what] = "done"
+        except OSError as exc:
+            outcome[what] = exc.strerror
+    [size] = [b.numel() for b in real._memory.buffers]
+    data = bytearray(os.pread(real._memory.fds[0], size, 0))
+    data[:4096] = bytes(4096)
+    fd = os.memfd_create("forged", os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+    # Offered to our primary group: the daemon's gid, so the daemon may take it.
+    to_daemon = PeerPolicy(frozenset(), frozenset({os.getgid()}))
+    offer = HandbackServer(sock, real.fingerprint, [size], [fd], to_daemon)
+    real.close()
+    print(json.dumps(outcome), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def cross_uid_daemon(daemons, minilm_dir) -> DaemonProcess:
+    """A memfd daemon as DAEMON_UID:DAEMON_GID admitting its group, on a private model copy.
+
+    ``--allow-uid 0`` admits this test's own probes (root could read everything anyway).
+    """
+    workdir = daemons.workdir()
+    cross_uid_workdir(workdir)
+    model = readable_model_copy(minilm_dir, workdir)
+    args = ("--transport", "memfd", "--allow-uid", "0", "--allow-gid", str(DAEMON_GID))
+    return daemons(model, *args, workdir=workdir, user=DAEMON_UID, group=DAEMON_GID)
+
+
+def test_readoption_works_across_uids(daemons, engines, minilm_dir, minilm_reference) -> None:
+    daemon = cross_uid_daemon(daemons, minilm_dir)
+    engines_path = engines_dir(daemon.socket)
+    info = os.stat(engines_path)
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (
+        DAEMON_UID,
+        DAEMON_GID,
+        0o3770,
+    )
+    engine = engines.start(daemon.socket, ENGINE, user=ENGINE_UID, group=DAEMON_GID)
+    [offer] = engine_sockets(daemon.socket)
+    info = os.stat(offer)
+    # Setgid directory: the engine's socket carries the daemon's group, so it may connect.
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (
+        ENGINE_UID,
+        DAEMON_GID,
+        0o660,
+    )
+
+    daemon.kill()
+    zero_tensor_bytes(daemon.model_dir / "model.safetensors")
+    status = daemon.start().status()
+    assert status.readopted and status.load_source == "readopted", status.load_reason
+    assert f"engine pid {engine.pid}" in status.load_reason
+    attached = attach(daemon.socket, transports=["memfd"])
+    try:
+        assert attached.daemon_uid == DAEMON_UID
+        for name, tensor in minilm_reference.items():
+            assert torch.equal(attached.tensors[name], tensor), name
+    finally:
+        attached.close()
+
+
+def test_an_engine_of_another_uid_cannot_poison_readoption(
+    daemons, engines, minilm_dir, minilm_reference
+) -> None:
+    daemon = cross_uid_daemon(daemons, minilm_dir)
+    attacker = engines.start(
+        daemon.socket,
+        ATTACKER,
+        user=ENGINE_UID,
+        group=DAEMON_GID,
+        check=lambda line: line.startswith("{"),
+    )
+    outcome = json.loads(attacker.line)
+    assert outcome == dict.fromkeys(outcome, "Permission denied"), outcome
+    assert len(outcome) == 6
+
+    status = restart(daemon)
+    assert status.load_source == "disk" and not status.readopted
+    assert f"engine pid {attacker.pid}" in status.load_reason
+    assert "checksum of allocation(s) [0] does not match the manifest" in status.load_reason
+    attached = attach(daemon.socket, transports=["memfd"])
+    try:
+        for name, tensor in minilm_reference.items():
+            assert torch.equal(attached.tensors[name], tensor), name
+    finally:
+        attached.close()
+
+
+# --------------------------------------------------------------------------- bounded asking
+
+# Listens in the engines' directory under a name that sorts first, takes the daemon's
+# request and answers one byte every half second: each read returns well within any
+# per-read timeout, so only a deadline for the whole exchange ends it.
+TRICKLER = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    from weightcache.sockets import engines_dir
+    path = os.path.join(engines_dir(sys.argv[1]), sys.argv[2])
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    print("trickling", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.sendall((60_000).to_bytes(4, "big"))  # under the 64 KiB cap
+        try:
+            while True:
+                time.sleep(0.5)
+                conn.sendall(b"x")
+        except OSError:
+            conn.close()
+    """
+)
+
+
+def trickle(engines, daemon: DaemonProcess, name: str):
+    script = TRICKLER.replace("sys.argv[2]", repr(name))
+    return engines.start(daemon.socket, script, check=lambda line: line == "trickling")
+
+
+def test_a_trickling_engine_cannot_hold_a_restart(daemons, engines, model, minilm_reference):
+    daemon = daemons(model, "--transport", "memfd", "--timeout", "2")
+    engine = engines.start(daemon.socket, ENGINE)
+    trickle(engines, daemon, "0-trickler.sock")  # asked first
+
+    status = restart(daemon)
+    assert status.readopted, status.load_reason
+    timed_out = "0-trickler.sock: the engine did not complete the hand-back within 2 s"
+    assert timed_out in status.load_reason
+    assert f"engine pid {engine.pid}" in status.load_reason
+
+
+def test_readoption_as_a_whole_is_bounded(daemons, engines, model, minilm_reference) -> None:
+    daemon = daemons(model, "--transport", "memfd", "--timeout", "5", "--readopt-seconds", "2")
+    engines.start(daemon.socket, ENGINE)
+    for i in range(3):
+        trickle(engines, daemon, f"0-trickler-{i}.sock")
+
+    status = restart(daemon)
+    assert status.load_source == "disk" and not status.readopted
+    timed_out = "0-trickler-0.sock: the engine did not complete the hand-back within 2 s"
+    assert timed_out in status.load_reason
+    assert "re-adoption budget of 2 s spent; 3 engine socket(s) not asked" in status.load_reason
+    attached = attach(daemon.socket, transports=["memfd"])
+    try:
+        for name, tensor in minilm_reference.items():
+            assert torch.equal(attached.tensors[name], tensor), name
+    finally:
+        attached.close()

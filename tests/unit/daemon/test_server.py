@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import stat
+import subprocess
 import threading
 from pathlib import Path
 
@@ -13,15 +15,25 @@ import msgspec
 import pytest
 import torch
 
-from tests.unit.wc_harness import exchange, frame, wait_until
-from weightcache.client import ConfigMismatch, DaemonError, attach, daemon_status, ping
-from weightcache.daemon.server import (
-    PeerPolicy,
-    ServerLimits,
-    SocketServer,
-    bind_unix_socket,
-    prepare_socket_dir,
+from tests.unit.wc_harness import (
+    DAEMON_GID,
+    DAEMON_UID,
+    cross_uid_workdir,
+    exchange,
+    frame,
+    python_for,
+    wait_until,
 )
+from weightcache.client import (
+    ConfigMismatch,
+    DaemonError,
+    DaemonNotReady,
+    attach,
+    daemon_status,
+    ping,
+)
+from weightcache.daemon.lock import lock_path
+from weightcache.daemon.server import ServerLimits, SocketServer
 from weightcache.protocol import (
     CacheConfig,
     ErrorReply,
@@ -34,6 +46,7 @@ from weightcache.protocol import (
     StatusRequest,
     decode_reply,
 )
+from weightcache.sockets import PeerPolicy, listen_unix, prepare_socket_dir
 
 FETCH = FetchStateRequest(v=1, config=None, transports=["memfd", "torch_ipc"])
 
@@ -246,12 +259,14 @@ def test_bad_frames_while_well_formed_clients_attach(memfd_daemon, minilm_refere
 # ----------------------------------------------------------------------------- permissions
 
 
-def test_socket_dir_is_0750_socket_0660_lock_0600(memfd_daemon) -> None:
+def test_socket_dir_is_0750_socket_0660_private_dir_0700_lock_0600(memfd_daemon) -> None:
     path = Path(memfd_daemon.socket)
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
     assert stat.S_ISSOCK(path.stat().st_mode)
     assert stat.S_IMODE(path.stat().st_mode) == 0o660
-    lock = Path(memfd_daemon.socket + ".lock")
+    assert stat.S_IMODE((path.parent / ".daemon").stat().st_mode) == 0o700
+    lock = Path(lock_path(memfd_daemon.socket))
+    assert lock.parent == path.parent / ".daemon"
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
     assert lock.read_text().strip() == str(memfd_daemon.pid)
 
@@ -366,7 +381,7 @@ def loading_server(tmp_path):
         path = str(tmp_path / f"s{len(started)}" / "cpu.sock")
         prepare_socket_dir(path)
         server = SocketServer(
-            bind_unix_socket(path),
+            listen_unix(path, backlog=128),
             PeerPolicy(frozenset({os.getuid()})),
             ServerLimits(max_connections=max_connections, timeout_seconds=30),
             lambda: None,
@@ -385,7 +400,7 @@ def loading_server(tmp_path):
 
 def test_fetch_while_loading_is_a_clear_retryable_error(loading_server) -> None:
     path, _ = loading_server(max_connections=8)
-    with pytest.raises(DaemonError, match="daemon is still loading; retry"):
+    with pytest.raises(DaemonNotReady, match="daemon is still loading"):
         attach(path)
     assert daemon_status(path).state == "loading"
 
@@ -397,15 +412,15 @@ def test_connections_past_the_limit_are_told_busy(loading_server) -> None:
         holder.sendall(frame(PingRequest(v=1)))
         assert decode_reply(holder.recv(4096)[4:]) == PingReply(v=1, pid=os.getpid())
         # The holder keeps the only slot; the next client is answered, not queued.
-        with pytest.raises(DaemonError, match="busy: 1 connections in progress; retry"):
+        with pytest.raises(DaemonNotReady, match="busy: 1 connections in progress"):
             ping(path)
         assert server.counters.refused == {"busy": 1}
     wait_until(lambda: _pings(path), "the slot to be free again")
 
 
-def _pings(path: str) -> bool:
+def _pings(path: str, pid: int | None = None) -> bool:
     try:
-        return ping(path) == os.getpid()
+        return ping(path) == (pid or os.getpid())
     except DaemonError:
         return False
 
@@ -417,7 +432,75 @@ def test_a_stale_socket_file_is_replaced(tmp_path) -> None:
     dead.close()  # the file stays, nobody listens: what a SIGKILLed daemon leaves
     with pytest.raises(ConnectionRefusedError):
         socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
-    listener = bind_unix_socket(path)
+    listener = listen_unix(path, backlog=128)
     with listener, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.connect(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+
+
+# ----------------------------------------------------------------------------- out of threads
+
+
+# Run as the daemon's uid with the same RLIMIT_NPROC: starts threads until the uid's
+# tasks reach the limit, then holds them, so nothing under that limit can start one.
+THREAD_HOG = """
+import sys, threading
+threading.stack_size(64 * 1024)
+hold = threading.Event()
+started = 0
+try:
+    while True:
+        threading.Thread(target=hold.wait, daemon=True).start()
+        started += 1
+except RuntimeError:
+    pass
+print(started, flush=True)
+sys.stdin.read()
+"""
+TASK_LIMIT = 512  # well above what the daemon starts with, on any machine
+
+
+def test_a_thread_that_cannot_start_costs_one_connection_not_the_accept_loop(
+    daemons, minilm_dir, minilm_reference
+) -> None:
+    # The daemon's uid is its own, so the hog below exhausts its tasks and nobody else's.
+    workdir = daemons.workdir()
+    cross_uid_workdir(workdir)
+    daemon = daemons(
+        minilm_dir,
+        *("--transport", "memfd", "--allow-uid", "0"),
+        workdir=workdir,
+        user=DAEMON_UID,
+        group=DAEMON_GID,
+        nproc_limit=TASK_LIMIT,
+    )
+    hog = subprocess.Popen(
+        [python_for(DAEMON_UID), "-c", THREAD_HOG],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        user=DAEMON_UID,
+        group=DAEMON_GID,
+        extra_groups=[],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NPROC, (TASK_LIMIT, TASK_LIMIT)),
+    )
+    try:
+        assert int(hog.stdout.readline()) > 0  # the uid is out of tasks now
+        with pytest.raises(DaemonNotReady, match="busy: cannot start a thread for this connection"):
+            ping(daemon.socket)
+        # The HTTP side's handlers were all started up front: probes still answer.
+        assert daemon.http("/readyz") == (200, "text/plain", b"ready\n")
+        metrics = daemon.http("/metrics")[2].decode()
+        assert 'weightcache_refused_connections_total{reason="thread_start"} 1.0' in metrics
+    finally:
+        hog.kill()
+        hog.wait()
+        hog.stdin.close()
+        hog.stdout.close()
+    # The accept loop lived on: once the uid's tasks are released, clients are served.
+    wait_until(lambda: _pings(daemon.socket, daemon.pid), "the daemon to serve again")
+    attached = attach(daemon.socket)
+    try:
+        assert same_weights(attached, minilm_reference)
+    finally:
+        attached.close()

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.unit.wc_harness import wait_until
+from tests.unit.wc_harness import frame, free_port, wait_until
 from weightcache.client import attach, daemon_status, ping
-from weightcache.daemon.cli import main
+from weightcache.daemon.cli import build_parser, main
+from weightcache.daemon.lock import lock_path
+from weightcache.daemon.service import Daemon, DaemonOptions
+from weightcache.protocol import FetchStateRequest
 
 SIDECAR = str(Path(sys.executable).parent / "weightcache-sidecar")
 
@@ -37,11 +45,11 @@ def test_a_second_daemon_on_the_same_socket_refuses_to_start(memfd_daemon, capsy
     assert serve_in_thread([*args, "--http-address", "none"]) == 1
     assert (
         f"another daemon (pid {memfd_daemon.pid}) already serves this device "
-        f"(lock {memfd_daemon.socket}.lock is held)"
+        f"(lock {lock_path(memfd_daemon.socket)} is held)"
     ) in capsys.readouterr().err
     # The first daemon, its socket and its lock are untouched.
     assert ping(memfd_daemon.socket) == memfd_daemon.pid
-    assert Path(memfd_daemon.socket + ".lock").read_text().strip() == str(memfd_daemon.pid)
+    assert Path(lock_path(memfd_daemon.socket)).read_text().strip() == str(memfd_daemon.pid)
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -62,7 +70,12 @@ def test_status_over_http_matches_status_over_the_socket(memfd_daemon) -> None:
         assert over_http[key] == getattr(over_socket, key)
     assert over_http["state"] == "ready" and over_http["pid"] == memfd_daemon.pid
     assert over_http["transport_backend"] == "memfd" and over_http["load_source"] == "disk"
-    assert over_http["socket"] == memfd_daemon.socket and over_http["device"] == "cpu"
+    assert over_http["device"] == "cpu"
+    # Whoever reaches the pod's port learns no paths and no error text: those stay on
+    # the peer-checked socket.
+    assert over_socket.socket == memfd_daemon.socket and over_socket.load_reason
+    for private in ("socket", "error", "load_reason"):
+        assert private not in over_http
 
 
 def test_metrics(memfd_daemon) -> None:
@@ -175,6 +188,104 @@ def test_sigterm_exits_cleanly_removes_the_socket_and_engines_keep_their_weights
         # memfd: the engine's mapping outlives the daemon.
         for name, tensor in minilm_reference.items():
             assert torch.equal(attached.tensors[name], tensor)
-        assert attached.degraded
+        assert attached.degraded()
     finally:
         attached.close()
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def test_http_listens_on_loopback_unless_told_otherwise() -> None:
+    args = ["serve", "--model", "m", "--socket", "/tmp/s"]
+    assert build_parser().parse_args(args).http_address == ("127.0.0.1", 8470)
+    pod = build_parser().parse_args([*args, "--http-address", "0.0.0.0:8470"])
+    assert pod.http_address == ("0.0.0.0", 8470)  # what the operator renders: kubelet probes
+
+
+def test_a_load_stuck_on_io_fails_liveness(daemons, tmp_path) -> None:
+    # The checkpoint's index is a FIFO nobody writes: opening it blocks in the kernel, as
+    # a read from a dead NFS server does. The daemon must say so, so kubelet restarts it.
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "model.safetensors.index.json")
+    daemon = daemons(model, "--transport", "memfd", "--stall-seconds", "1", wait=False)
+    wait_until(lambda: http_get(daemon.http_port, "/healthz")[0] == 503, "/healthz to fail")
+    code, _, body = daemon.http("/healthz")
+    assert code == 503
+    assert body.startswith(b"stuck: no progress for ") and b"while loading from disk" in body
+    assert daemon.http("/readyz") == (503, "text/plain", b"not ready\n")
+    assert daemon_status(daemon.socket).state == "loading"
+    daemon.kill()
+
+
+def test_readiness_fails_while_the_daemon_drains(daemons, many_tensor_checkpoint, peers) -> None:
+    directory, _ = many_tensor_checkpoint
+    daemon = daemons(directory, "--transport", "memfd")
+    request = frame(FetchStateRequest(v=1, config=None, transports=["memfd"]))
+    # Sent its request, reads nothing: the daemon is stuck sending a reply over 1 MB.
+    held = peers.hold(daemon.socket, 2, request)
+    daemon.proc.send_signal(signal.SIGTERM)
+    wait_until(
+        lambda: daemon.http("/readyz") == (503, "text/plain", b"not accepting connections\n"),
+        "/readyz to report the stopped accept loop",
+    )
+    held.kill()
+    assert daemon.proc.wait(60) == 0
+
+
+def test_a_dead_accept_loop_fails_readiness_and_liveness(minilm_dir) -> None:
+    """In process: nothing outside the daemon can break its listener; a bug (an fd closed
+    twice, reused) could. The accept loop must stop and say so, not spin as if transient."""
+    run_dir = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    port = free_port()
+    options = DaemonOptions(
+        model_dir=minilm_dir,
+        device=torch.device("cpu"),
+        gpu="cpu",
+        socket_path=str(run_dir / "d" / "cpu.sock"),
+        transport="memfd",
+        http_address=("127.0.0.1", port),
+    )
+    daemon = Daemon(options)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(daemon.run()))
+    thread.start()
+    try:
+        wait_until(lambda: http_get(port, "/readyz")[0] == 200, "the daemon to be ready")
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(devnull, daemon._server._listener.fileno())  # no longer a socket
+        os.close(devnull)
+        wait_until(lambda: http_get(port, "/readyz")[0] == 503, "/readyz to fail")
+        assert http_get(port, "/readyz") == (503, b"not accepting connections\n")
+        assert http_get(port, "/healthz") == (503, b"socket server stopped accepting\n")
+    finally:
+        daemon.request_stop()
+        thread.join(60)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert codes == [0]
+
+
+def http_get(port: int, path: str) -> tuple[int | None, bytes]:
+    """(status, body); (None, b"") while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError:
+        return None, b""
+
+
+def test_a_symlink_planted_for_the_private_dir_stops_the_daemon(daemons, minilm_dir) -> None:
+    # Whoever could write the socket directory points .daemon elsewhere, hoping the daemon
+    # writes its manifest and key (or truncates a file through its lock) there.
+    workdir = daemons.workdir()
+    (workdir / "d").mkdir(mode=0o750)
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    (workdir / "d" / ".daemon").symlink_to(elsewhere)
+    daemon = daemons(minilm_dir, "--transport", "memfd", workdir=workdir, wait=False)
+    assert daemon.proc.wait(60) == 1
+    assert ".daemon is a symlink or not a directory; refusing to follow it" in daemon.log()
+    assert list(elsewhere.iterdir()) == []

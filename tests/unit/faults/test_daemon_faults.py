@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tests.unit.wc_harness import frame, print_counts, wait_until
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.client import ConfigMismatch, attach
+from weightcache.daemon.lock import lock_path
 from weightcache.layout import build_views
 from weightcache.protocol import FetchStateReply, FetchStateRequest, decode_reply
 from weightcache.transport import get_client_transport_backend
@@ -90,7 +91,7 @@ def test_sigkill_then_restart_takes_over_the_stale_socket_and_lock(
 
             # What a killed daemon leaves behind.
             assert os.path.exists(daemon.socket)
-            lock = daemon.socket + ".lock"
+            lock = lock_path(daemon.socket)
             assert open(lock).read().strip() == str(dead_pid)
             # The gap: a clear error that names the socket.
             with pytest.raises(
@@ -99,7 +100,7 @@ def test_sigkill_then_restart_takes_over_the_stale_socket_and_lock(
             ):
                 attach(daemon.socket)
             # memfd: the engine keeps its weights with the daemon gone, and says it is degraded.
-            assert engine.degraded
+            assert engine.degraded()
             assert same_tensors(engine.tensors, minilm_reference)
 
             daemon.start()  # same socket path, same lock file

@@ -1,32 +1,21 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.unit.operator.builders import GIB, gpu_entry, report
+from tests.unit.operator.builders import GIB, annotations, device_report
+from tests.unit.operator.conftest import daemonset as ds
+from weightcache.report import MAX_DEVICE_BYTES, MAX_DEVICES, MAX_MESSAGE_CHARS
 from weightcache_operator import aggregate, gate
-from weightcache_operator.spec import WeightCacheSpec
+from weightcache_operator.spec import WeightCacheSpec, parse_spec, spec_hash
 from weightcache_operator.views import DaemonPodView, DaemonSetView
 
 MakePod = Callable[..., DaemonPodView]
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
-
-
-def ds(
-    desired: int = 2, updated: int | None = None, generation: int = 1, applied: int | None = 1
-) -> DaemonSetView:
-    return DaemonSetView(
-        "ns",
-        "wc",
-        desired,
-        desired if updated is None else updated,
-        generation,
-        generation,
-        applied,
-        "h",
-    )
+LABEL = "weightcache.dev/ns.wc"
 
 
 def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -50,6 +39,7 @@ def build(
         old_status=old or {},
         daemonset=daemonset if daemonset is not None else ds(),
         pods=pods,
+        node_label=LABEL,
         now=now,
     )
 
@@ -65,6 +55,7 @@ def test_all_nodes_verified(gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: 
     assert s["fingerprint"] == gpu_hash
     assert s["observedGeneration"] == 1
     assert s["nodesOmitted"] == 0
+    assert s["nodeLabel"] == LABEL
     assert [n["name"] for n in s["nodes"]] == ["node-a", "node-b"]
     node = s["nodes"][0]
     assert (node["ready"], node["reason"], node["pod"]) == (True, gate.WEIGHTS_RESIDENT, "p1")
@@ -89,18 +80,19 @@ def test_all_nodes_verified(gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: 
     assert set(result.verdicts) == {"node-a", "node-b"}
 
 
-def test_loading_node(gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod) -> None:
-    s = build(
-        gpu_spec, gpu_hash, [make_pod("p1", "node-a"), make_pod("p2", "node-b", state="Loading")]
-    ).status
-    assert s["phase"] == "Loading"
-    assert s["ready"] == "1/2" and s["residentBytes"] == 2 * GIB
-    assert cond(s, "Ready")["reason"] == gate.DAEMON_NOT_READY
-    assert "node-b" in cond(s, "WeightsResident")["message"]
-    assert (cond(s, "Progressing")["status"], cond(s, "Progressing")["reason"]) == (
-        "True",
-        "Loading",
+
+def test_each_gpu_says_where_its_weights_came_from(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    reports = annotations(
+        device_report("GPU-0", gpu_hash, "node-a", load_source="disk"),
+        device_report("GPU-1", gpu_hash, "node-a", load_source="peer", seeded_from="GPU-0"),
     )
+    gpus = build(gpu_spec, gpu_hash, [make_pod(reports=reports)]).status["nodes"][0]["gpus"]
+    assert [(g["id"], g.get("loadSource"), g.get("seededFrom")) for g in gpus] == [
+        ("GPU-0", "disk", None),
+        ("GPU-1", "peer", "GPU-0"),
+    ]
 
 
 def test_gpu_error_degrades(gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod) -> None:
@@ -120,7 +112,7 @@ def test_gpu_error_degrades(gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: 
 def test_malformed_report_degrades_and_warns_once(
     gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
 ) -> None:
-    pods = [make_pod("p1", "node-a", raw='{"v": 1, "specHash": 7}')]
+    pods = [make_pod("p1", "node-a", reports={"weightcache.dev/report.GPU-0": '{"v": 1}'})]
     first = build(gpu_spec, gpu_hash, pods, daemonset=ds(1))
     assert cond(first.status, "Degraded")["reason"] == gate.REPORT_MALFORMED
     assert first.status["nodes"][0]["gpus"] == []
@@ -161,7 +153,7 @@ def test_scheduled_daemons_without_pods(
 def test_unscheduled_daemon_pod_is_not_a_node(
     gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
 ) -> None:
-    s = build(gpu_spec, gpu_hash, [make_pod("p1", None, raw=None)], daemonset=ds(1)).status
+    s = build(gpu_spec, gpu_hash, [make_pod("p1", None, reports=None)], daemonset=ds(1)).status
     assert s["nodes"] == [] and s["ready"] == "0/1"
 
 
@@ -192,6 +184,7 @@ def test_observed_generation_kept_without_daemonset(
         old_status={"observedGeneration": 3},
         daemonset=None,
         pods=[],
+        node_label=LABEL,
         now=T0,
     ).status
     assert s["observedGeneration"] == 3
@@ -200,17 +193,11 @@ def test_observed_generation_kept_without_daemonset(
 def test_fingerprint_mismatch_node(
     gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
 ) -> None:
-    stale = make_pod(
-        "p2",
-        "node-b",
-        raw=report(
-            "e" * 64,
-            {
-                "GPU-0": gpu_entry(transport="torch_ipc", expected=7 * GIB),
-                "GPU-1": gpu_entry(transport="torch_ipc", expected=7 * GIB),
-            },
-        ),
+    other = (
+        device_report(f"GPU-{i}", "e" * 64, "node-b", transport="torch_ipc", expected=7 * GIB)
+        for i in range(2)
     )
+    stale = make_pod("p2", "node-b", reports=annotations(*other))
     result = build(gpu_spec, gpu_hash, [make_pod("p1", "node-a"), stale])
     s = result.status
     assert s["nodes"][1]["reason"] == gate.FINGERPRINT_MISMATCH
@@ -264,6 +251,37 @@ def test_node_list_is_capped_keeping_unready_nodes(
     assert s["readyNodes"] == 4  # counts are over all nodes
 
 
+def test_status_stays_bounded_whatever_200_nodes_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 nodes of 64 GPUs, every report field at its maximum: the status still fits."""
+    spec = parse_spec({
+        "model": {"path": "/models/m"}, "gpus": {"perNode": MAX_DEVICES}, "transport": "vmm_fd",
+    })
+    digest = spec_hash(spec)
+    longest = "n" * 240
+
+    def maximal(node: int) -> DaemonPodView:
+        node_name = f"{longest}-{node:03d}"
+        reports = annotations(*(
+            device_report(
+                f"GPU-{gpu:02d}-" + "u" * 48, digest, node_name, state="Error",
+                preloaded=MAX_DEVICE_BYTES, expected=MAX_DEVICE_BYTES,
+                message="m" * MAX_MESSAGE_CHARS, transport="t" * 64, load_seconds=1e9,
+            )
+            for gpu in range(MAX_DEVICES)
+        ))
+        return DaemonPodView(
+            namespace="ns", name="p" * 250 + f"{node:03d}", cache="wc", node=node_name,
+            phase="Running", ready=True, terminating=False, reports=reports, spec_hash=digest,
+            created=T0, controller_uid="ds-uid",
+        )
+
+    result = build(spec, digest, [maximal(i) for i in range(200)], daemonset=ds(200))
+    size = len(json.dumps(result.status))
+    assert size <= aggregate.MAX_STATUS_NODE_BYTES + 64 * 1024, size
+    assert result.status["nodesOmitted"] == 200 - len(result.status["nodes"]) > 0
+    assert result.status["residentBytes"] <= (1 << 63) - 1
+
+
 def test_error_status_keeps_last_known_state() -> None:
     old = {
         "phase": "Ready",
@@ -308,3 +326,51 @@ def test_error_status_keeps_last_known_state() -> None:
 )
 def test_human_bytes(n: int, text: str) -> None:
     assert aggregate.human_bytes(n) == text
+
+
+def test_condition_messages_name_a_few_nodes_whatever_the_fleet(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    """Once, the Degraded message listed every affected node: 1,000 long names, 250 KB."""
+    longest = "n" * 240
+    pods = [make_pod(f"p{i}", f"{longest}-{i:04d}", preloaded=GIB // 4) for i in range(1000)]
+    result = build(gpu_spec, gpu_hash, pods, daemonset=ds(1000))
+    degraded = cond(result.status, "Degraded")
+    assert degraded["reason"] == gate.BYTES_BELOW_EXPECTED
+    assert degraded["message"].endswith(f"and {1000 - aggregate.MAX_NAMED_NODES} more")
+    assert len(degraded["message"]) < (aggregate.MAX_NAMED_NODES + 1) * 260
+    size = len(json.dumps(result.status))
+    assert size <= aggregate.MAX_STATUS_NODE_BYTES + 64 * 1024, size
+    assert result.status["nodesOmitted"] == 1000 - len(result.status["nodes"])
+
+
+def test_given_verdicts_are_used_and_previous_decides_the_events(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    pods = [make_pod("p1", "node-a"), make_pod("p2", "node-b", state="Loading")]
+    verdicts = aggregate.node_verdicts(gpu_spec, gpu_hash, pods)
+    result = aggregate.build_status(
+        spec=gpu_spec, spec_hash=gpu_hash, generation=1, old_status={}, daemonset=ds(2),
+        verdicts=verdicts, previous={"node-a": (True, gate.WEIGHTS_RESIDENT),
+                                     "node-b": (True, gate.WEIGHTS_RESIDENT)},
+        node_label=LABEL, now=T0,
+    )
+    assert result.status == build(gpu_spec, gpu_hash, pods, daemonset=ds(2)).status
+    # node-a was already announced; node-b was verified and is no longer.
+    assert [(e.type, e.reason) for e in result.events] == [
+        ("Warning", gate.DAEMON_NOT_READY), ("Normal", "PhaseChanged")]
+
+
+def test_many_nodes_changing_alike_make_one_event_per_reason(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    """Once, a fleet becoming ready posted one event per node to the WeightCache."""
+    pods = [make_pod(f"p{i}", f"node-{i:02d}") for i in range(30)]
+    pods.append(make_pod("p-odd", "node-odd", preloaded=GIB // 4))
+    events = build(gpu_spec, gpu_hash, pods, daemonset=ds(31)).events
+    ready = [e for e in events if e.reason == "NodeReady"]
+    (one,) = ready
+    assert one.message.startswith("30 nodes: node-00, node-01") and one.message.endswith(
+        f"and {30 - aggregate.MAX_NAMED_NODES} more")
+    (below,) = [e for e in events if e.reason == gate.BYTES_BELOW_EXPECTED]
+    assert below.message.startswith("node-odd: daemon pod p-odd")

@@ -57,7 +57,8 @@ def test_names_and_presentation(crd: dict[str, Any]) -> None:
     [
         {"model": {"path": "/m"}},
         {"model": {"pvc": {"claimName": "c"}}, "gpus": {"perNode": 4}, "gpuAccess": {}},
-        {"model": {"path": "/m"}, "device": "cpu", "sidecar": {}, "engine": {"selector": {}}},
+        {"model": {"path": "/m"}, "device": "cpu", "sidecar": {},
+         "engine": {"selector": {"matchLabels": {"app": "e"}}}},
     ],
 )
 def test_crd_defaults_equal_parser_defaults(schema: dict[str, Any], raw: dict) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 
 import pytest
 
-from tests.unit.operator.builders import GIB, gpu_entry, report
+from tests.unit.operator.builders import GIB, annotations, device_report, raw_report
+from tests.unit.operator.conftest import DS_UID, daemonset
+from weightcache.report import MAX_DEVICES, annotation_key
 from weightcache_operator import gate
 from weightcache_operator.spec import WeightCacheSpec, parse_spec, spec_hash
 from weightcache_operator.views import Condition, DaemonPodView
@@ -25,26 +26,46 @@ def test_ready_daemon_with_matching_fingerprint_and_bytes_opens_the_gate(
     assert f"hold {2 * GIB} bytes via vmm_fd" in verdict.message
 
 
+KEY = annotation_key("GPU-0")
+
+
 @pytest.mark.parametrize(
     ("pod_kwargs", "reason", "detail"),
     [
         ({"terminating": True}, gate.DAEMON_NOT_READY, "terminating"),
-        ({"raw": None}, gate.DAEMON_NOT_READY, "no report yet"),
-        ({"raw": "{not json"}, gate.REPORT_MALFORMED, "not JSON"),
+        ({"reports": None}, gate.DAEMON_NOT_READY, "no report yet"),
+        ({"reports": {KEY: "{not json"}}, gate.REPORT_MALFORMED, "not JSON"),
         (
-            {
-                "raw": json.dumps(
-                    {"v": 1, "specHash": "x", "gpus": {"GPU-0": gpu_entry(preloaded=-5)}}
-                )
-            },
+            {"reports": {KEY: raw_report("GPU-0", "0" * 64, preloadedWeightsBytes=-5)}},
             gate.REPORT_MALFORMED,
             "preloadedWeightsBytes",
         ),
-        ({"raw": json.dumps({"v": 2, "specHash": "x", "gpus": {}})}, gate.REPORT_MALFORMED, "v"),
-        ({"raw": "[]"}, gate.REPORT_MALFORMED, "invalid report"),
-        ({"raw": "x" * (65 * 1024)}, gate.REPORT_MALFORMED, "over the"),
+        # Beyond what the status's int64 (and any device) can hold.
         (
-            {"raw": report("0" * 64, {"GPU-0": gpu_entry(), "GPU-1": gpu_entry()})},
+            {"reports": {KEY: raw_report("GPU-0", "0" * 64, preloadedWeightsBytes=2**64 - 1)}},
+            gate.REPORT_MALFORMED,
+            "preloadedWeightsBytes",
+        ),
+        ({"reports": {KEY: raw_report("GPU-0", "0" * 64, v=2)}}, gate.REPORT_MALFORMED, "v"),
+        ({"reports": {KEY: "[]"}}, gate.REPORT_MALFORMED, "invalid report"),
+        ({"reports": {KEY: "x" * 5000}}, gate.REPORT_MALFORMED, "over the"),
+        (
+            {"reports": {KEY: raw_report("GPU-1", "0" * 64)}},
+            gate.REPORT_MALFORMED,
+            "not the key's",
+        ),
+        (
+            {"reports": {annotation_key(f"GPU-{i}"): "{}" for i in range(MAX_DEVICES + 1)}},
+            gate.REPORT_MALFORMED,
+            "cap",
+        ),
+        (
+            {"reports": annotations(device_report("GPU-0", "0" * 64, "node-b"))},
+            gate.REPORT_MALFORMED,
+            "reports node 'node-b', but the pod runs on 'node-a'",
+        ),
+        (
+            {"reports": annotations(*(device_report(f"GPU-{i}", "0" * 64) for i in range(2)))},
             gate.FINGERPRINT_MISMATCH,
             "holds weights for spec 000000000000",
         ),
@@ -109,20 +130,12 @@ def test_pinned_expected_bytes_override_the_report(make_pod: MakePod) -> None:
     assert gate.evaluate_node(pinned, digest, [make_pod(preloaded=4 * GIB, expected=GIB)]).ok
 
 
-def test_fingerprint_mismatch_wins_over_loading(gpu_spec: WeightCacheSpec, gpu_hash: str) -> None:
+def test_fingerprint_mismatch_wins_over_loading(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
     # A daemon still loading *other* weights will never satisfy this spec.
-    pod = DaemonPodView(
-        "ns",
-        "p",
-        "wc",
-        "node-a",
-        "Running",
-        True,
-        False,
-        report("1" * 64, {"GPU-0": gpu_entry(state="Loading")}),
-        None,
-        "",
-    )
+    other = annotations(device_report("GPU-0", "1" * 64, state="Loading"))
+    pod = make_pod(reports=other)
     assert gate.evaluate_node(gpu_spec, gpu_hash, [pod]).reason == gate.FINGERPRINT_MISMATCH
 
 
@@ -130,18 +143,21 @@ def test_cpu_cache_needs_one_entry() -> None:
     spec = parse_spec({"model": {"path": "/m"}, "device": "cpu"})
     digest = spec_hash(spec)
     pod = DaemonPodView(
-        "ns",
-        "p",
-        "wc",
-        "n",
-        "Running",
-        True,
-        False,
-        report(digest, {"cpu": gpu_entry(transport="memfd")}),
-        digest,
-        "",
+        namespace="ns", name="p", cache="wc", node="n", phase="Running", ready=True,
+        terminating=False, reports=annotations(device_report("cpu", digest, "n")),
+        spec_hash=digest, created="", controller_uid=DS_UID,
     )
     assert gate.evaluate_node(spec, digest, [pod]).ok
+
+
+def test_only_pods_of_the_caches_own_daemonset_count(make_pod: MakePod) -> None:
+    """A look-alike pod (same labels, a report) made by anyone else is ignored."""
+    own = make_pod("own")
+    impostor = make_pod("impostor", controller_uid="someone-elses-replicaset")
+    orphan = make_pod("orphan", controller_uid=None)
+    pods = [own, impostor, orphan]
+    assert gate.controlled_pods(pods, daemonset()) == [own]
+    assert gate.controlled_pods(pods, None) == []
 
 
 def test_during_a_daemon_rollout_either_pod_can_satisfy_the_node(
@@ -160,9 +176,10 @@ def test_pod_of_current_template_explains_a_closed_gate(
     gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
 ) -> None:
     stale = make_pod(
-        "stale", template_hash="9" * 64, created="2026-01-03T00:00:00Z", raw=report("9" * 64, {})
+        "stale", template_hash="9" * 64, created="2026-01-03T00:00:00Z",
+        reports=annotations(device_report("GPU-0", "9" * 64)),
     )
-    current = make_pod("current", raw=None, created="2026-01-01T00:00:00Z")
+    current = make_pod("current", reports=None, created="2026-01-01T00:00:00Z")
     verdict = gate.evaluate_node(gpu_spec, gpu_hash, [stale, current])
     assert (verdict.pod, verdict.reason) == ("current", gate.DAEMON_NOT_READY)
 

@@ -1,29 +1,29 @@
 from __future__ import annotations
 
-import pytest
+import re
 
-from weightcache_operator import nodes
+from weightcache_operator import names, nodes
+
+# Kubernetes' rule for the name part of a label key.
+LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def test_label_patch_adds_and_removes_only_differences() -> None:
-    assert nodes.label_patch(frozenset(), frozenset({"minilm"})) == {
-        "weightcache.dev/minilm": "Ready"
+    assert nodes.label_patch(frozenset(), frozenset({"ns.minilm"})) == {
+        "weightcache.dev/ns.minilm": "Ready"
     }
-    assert nodes.label_patch(frozenset({"minilm", "llama"}), frozenset({"llama"})) == {
-        "weightcache.dev/minilm": None
+    assert nodes.label_patch(frozenset({"ns.minilm", "ns.llama"}), frozenset({"ns.llama"})) == {
+        "weightcache.dev/ns.minilm": None
     }
     assert nodes.label_patch(frozenset({"a"}), frozenset({"a"})) == {}
 
 
-def test_label_change_needs_every_observation_to_agree() -> None:
+def test_label_change_only_where_the_node_disagrees() -> None:
     key = "weightcache.dev/minilm"
-    labelled, bare = frozenset({"minilm"}), frozenset()
-    assert nodes.label_change("minilm", True, [labelled, labelled]) == {}
-    assert nodes.label_change("minilm", False, [bare, bare]) == {}
-    # The index lags a write we made, or someone else edited the node: write again.
-    assert nodes.label_change("minilm", True, [bare, labelled]) == {key: "Ready"}
-    assert nodes.label_change("minilm", False, [bare, labelled]) == {key: None}
-    assert nodes.label_change("minilm", True, [labelled, frozenset({"other"})]) == {key: "Ready"}
+    assert nodes.label_change("minilm", True, True) == {}
+    assert nodes.label_change("minilm", False, False) == {}
+    assert nodes.label_change("minilm", True, False) == {key: "Ready"}
+    assert nodes.label_change("minilm", False, True) == {key: None}
 
 
 def test_orphans_are_labels_without_a_cache() -> None:
@@ -31,16 +31,14 @@ def test_orphans_are_labels_without_a_cache() -> None:
     assert nodes.orphans(frozenset(), ["b"]) == frozenset()
 
 
-@pytest.mark.parametrize(
-    ("name", "ok"),
-    [
-        ("minilm", True),
-        ("llama-3.1-70b", True),
-        ("a" * 63, True),
-        ("a" * 64, False),
-        ("-bad", False),
-        ("", False),
-    ],
-)
-def test_labelable(name: str, ok: bool) -> None:
-    assert nodes.labelable(name) is ok
+def test_label_names_are_unique_per_namespace_and_fit_a_label_key() -> None:
+    assert names.node_label_key("team", "minilm") == "weightcache.dev/team.minilm"
+    # Same-named caches in different namespaces never share a label.
+    assert names.node_label_name("a", "minilm") != names.node_label_name("b", "minilm")
+    longest = names.node_label_name("n" * 63, "c" * 63)
+    other = names.node_label_name("n" * 63, "c" * 62 + "d")
+    assert len(longest) == 63 and longest != other
+    assert LABEL_NAME_RE.match(longest) and LABEL_NAME_RE.match(other)
+    for ns, name in [("n" * 63, "x." + "c" * 60), ("a", "b"), ("ns-1", "a" * 61)]:
+        label = names.node_label_name(ns, name)
+        assert len(label) <= 63 and LABEL_NAME_RE.match(label), label

@@ -2,14 +2,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
+from weightcache.report import SPEC_HASH_ENV
 from weightcache_operator import names
+from weightcache_operator.policy import HostPaths, Policy
 from weightcache_operator.render import (
     CONTAINER_SOCKET_ROOT,
     LONGEST_SOCKET_NAME,
     MAX_SOCKET_PATH_BYTES,
+    SETUP_SOCKET_ROOT,
     CacheRef,
+    PolicyViolation,
     RenderError,
     render_daemonset,
     render_hash,
@@ -31,9 +36,18 @@ GPU = {
 }
 
 
-def render(raw: dict, ref: CacheRef = REF, default_image: str | None = None) -> dict[str, Any]:
+POLICY = Policy(
+    setup_image="operator:1",
+    allowed_host_paths=HostPaths(
+        socket_dirs=("/var/run/weightcache", "/var/run/wc"), model_dirs=("/models", "/m")
+    ),
+)
+OPERATOR_UID = 65532
+
+
+def render(raw: dict, ref: CacheRef = REF, policy: Policy = POLICY) -> dict[str, Any]:
     spec = parse_spec(raw)
-    return render_daemonset(ref, spec, spec_hash(spec), default_image)
+    return render_daemonset(ref, spec, spec_hash(spec), policy, OPERATOR_UID)
 
 
 def pod(ds: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +92,7 @@ def test_cpu_daemonset_shape() -> None:
     assert arg(container, "--cache") == "team.minilm"
     assert arg(container, "--socket-dir") == CONTAINER_SOCKET_ROOT
     assert arg(container, "--http-address") == "0.0.0.0:8470"
-    assert arg(container, "--allow-gid") == "65532"
+    assert arg(container, "--allow-gid") == "65533"
     assert "--allow-uid" not in container["args"]
     assert arg(container, "--tp-size") is None
     assert arg(container, "--dtype") is None
@@ -86,7 +100,9 @@ def test_cpu_daemonset_shape() -> None:
     variables = env(container)
     assert variables["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert variables["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-    assert variables[names.SPEC_HASH_ENV] == spec_hash(spec)
+    assert variables[SPEC_HASH_ENV] == spec_hash(spec)
+    assert variables["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert pod(ds)["serviceAccountName"] == "weightcache-daemon"
     assert "NVIDIA_VISIBLE_DEVICES" not in variables
     assert ds["spec"]["template"]["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION] == (
         spec_hash(spec)
@@ -98,15 +114,22 @@ def test_cpu_daemonset_shape() -> None:
 def test_volumes_mount_socket_dir_per_cache_and_model_read_only() -> None:
     ds = render({**CPU, "socketDir": "/var/run/wc/"})
     volumes = {v["name"]: v for v in pod(ds)["volumes"]}
-    assert volumes["sockets"]["hostPath"] == {
-        "path": "/var/run/wc/team.minilm",
-        "type": "DirectoryOrCreate",
+    # Only the admin-allowed root is a hostPath volume: kubelet sets volumes up before the
+    # init container creates the cache's directory, which the daemon then reaches by subPath
+    # (resolved at container start, refusing symlinks that leave the volume).
+    assert "sockets" not in volumes
+    assert volumes["socket-root"]["hostPath"] == {
+        "path": "/var/run/wc", "type": "DirectoryOrCreate"
     }
     assert volumes["model"]["hostPath"] == {"path": "/models/minilm", "type": "Directory"}
     (container,) = pod(ds)["containers"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["model"]["readOnly"] is True
-    assert mounts["sockets"]["mountPath"] == f"{CONTAINER_SOCKET_ROOT}/team.minilm"
+    assert mounts["socket-root"] == {
+        "name": "socket-root",
+        "mountPath": f"{CONTAINER_SOCKET_ROOT}/team.minilm",
+        "subPath": "team.minilm",
+    }
     assert "tmp" in mounts  # the root filesystem is read-only
 
 
@@ -125,7 +148,7 @@ def test_hardened_pod() -> None:
     for raw in (CPU, GPU):
         spec = pod(render(raw))
         assert spec["securityContext"]["runAsNonRoot"] is True
-        assert spec["securityContext"]["runAsUser"] == 65532
+        assert spec["securityContext"]["runAsUser"] == 65533  # not the operator's 65532
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert "hostPID" not in spec and "hostIPC" not in spec and "hostNetwork" not in spec
         for c in spec["containers"]:
@@ -137,13 +160,25 @@ def test_hardened_pod() -> None:
             assert "runAsUser" not in sc  # inherits the non-root pod user
 
 
-def test_socket_dir_init_only_chowns() -> None:
-    (init,) = pod(render(CPU))["initContainers"]
+def test_socket_dir_set_up_runs_from_the_operators_image_only() -> None:
+    """The one root step never runs the image the WeightCache names."""
+    ds = render({**CPU, "sidecar": {"image": "attacker.example/evil:1", "runAsUser": 4242}})
+    (init,) = pod(ds)["initContainers"]
+    assert init["image"] == "operator:1"
     sc = init["securityContext"]
     assert sc["runAsUser"] == 0
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
-    assert init["command"][-3:] == [f"{CONTAINER_SOCKET_ROOT}/team.minilm", "65532", "65532"]
+    assert init["command"] == [
+        "python", "-m", "weightcache_operator.socketdir", SETUP_SOCKET_ROOT, "team.minilm",
+        "4242", "65533",
+    ]
+    assert init["volumeMounts"] == [{"name": "socket-root", "mountPath": SETUP_SOCKET_ROOT}]
+    for container in pod(ds)["containers"]:
+        assert container["image"] == "attacker.example/evil:1"
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert "runAsUser" not in container["securityContext"]
+    assert pod(ds)["securityContext"]["runAsNonRoot"] is True
 
 
 def test_one_container_per_gpu_with_tp_ranks_and_ports() -> None:
@@ -200,7 +235,7 @@ def test_allowed_peers() -> None:
         "sidecar": {
             "image": "s:1",
             "runAsGroup": 3000,
-            "allowedPeers": {"uids": [1000, 0], "gids": [44]},
+            "allowedPeers": {"uids": [1000, 1001], "gids": [44]},
         },
     }
     args = pod(render(raw))["containers"][0]["args"]
@@ -208,15 +243,15 @@ def test_allowed_peers() -> None:
     assert pairs == {
         ("--allow-gid", "3000"),
         ("--allow-gid", "44"),
-        ("--allow-uid", "0"),
         ("--allow-uid", "1000"),
+        ("--allow-uid", "1001"),
     }
 
 
 def test_dtype_revision_and_placement_pass_through() -> None:
     raw = {
         **GPU,
-        "model": {"path": "/m", "dtype": "bfloat16", "revision": "r1"},
+        "model": {"path": "/m/llama", "dtype": "bfloat16", "revision": "r1"},
         "placement": {
             "nodeSelector": {"pool": "h200"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
@@ -235,12 +270,37 @@ def test_dtype_revision_and_placement_pass_through() -> None:
 
 def test_default_image_and_missing_image() -> None:
     raw = {k: v for k, v in CPU.items() if k != "sidecar"}
-    assert pod(render(raw, default_image="op-default:7"))["containers"][0]["image"] == (
-        "op-default:7"
-    )
-    assert pod(render(CPU, default_image="op-default:7"))["containers"][0]["image"] == "sidecar:1"
+    with_default = msgspec.structs.replace(POLICY, sidecar_image="op-default:7")
+    assert pod(render(raw, policy=with_default))["containers"][0]["image"] == "op-default:7"
+    assert pod(render(CPU, policy=with_default))["containers"][0]["image"] == "sidecar:1"
     with pytest.raises(RenderError, match="spec.sidecar.image"):
         render(raw)
+
+
+@pytest.mark.parametrize(
+    ("change", "policy", "field"),
+    [
+        # A socket root the admin did not allow (e.g. inside another cache's directory).
+        ({"socketDir": "/var/run/weightcache/other.cache"}, POLICY, "spec.socketDir"),
+        ({"socketDir": "/etc"}, POLICY, "spec.socketDir"),
+        ({"model": {"path": "/etc"}}, POLICY, "spec.model.path"),
+        ({"model": {"path": "/modelsevil/x"}}, POLICY, "spec.model.path"),
+        ({"transport": "torch_ipc", "device": "cuda"},
+         msgspec.structs.replace(POLICY, allowed_transports=("auto", "vmm_fd")), "spec.transport"),
+        ({"sidecar": {"image": "registry.corp.example.evil.io/x:1"}},
+         msgspec.structs.replace(POLICY, allowed_sidecar_image_prefixes=("registry.corp.example",)),
+         "spec.sidecar.image"),
+        ({"sidecar": {"image": "s:1", "runAsUser": OPERATOR_UID}}, POLICY,
+         "spec.sidecar.runAsUser"),
+        ({}, msgspec.structs.replace(POLICY, setup_image=None), "setup image"),
+        ({}, Policy(), "spec.socketDir"),
+    ],
+)
+def test_policy_violations_are_refused_naming_the_field(
+    change: dict, policy: Policy, field: str
+) -> None:
+    with pytest.raises(PolicyViolation, match=field):
+        render({**CPU, **change}, policy=policy)
 
 
 def test_socket_path_limit() -> None:
@@ -263,3 +323,20 @@ def test_render_hash_tracks_content_not_bookkeeping() -> None:
     changed = render({**CPU, "sidecar": {"image": "sidecar:2"}})
     assert changed["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION] != stamped
     assert render(CPU) == ds
+
+
+@pytest.mark.parametrize("raw", [CPU, GPU, {**GPU, "gpuAccess": {"mode": "device-plugin"},
+                                            "sidecar": {"image": "s:1",
+                                                        "allowedPeers": {"uids": [1000]}}}])
+def test_the_daemon_cli_accepts_what_is_rendered(raw: dict) -> None:
+    """The arguments parse with the daemon's own parser, and mean what the spec says."""
+    from weightcache.daemon.cli import build_parser
+
+    for container in pod(render(raw))["containers"]:
+        assert container["command"] == ["weightcache-sidecar"]
+        args = build_parser().parse_args(container["args"])
+        assert args.command == "serve"
+        assert args.cache == ("team", "minilm")
+        assert args.socket_dir == CONTAINER_SOCKET_ROOT
+        assert str(args.model) == "/weightcache/model"
+        assert args.http_address[1] == container["ports"][0]["containerPort"]

@@ -26,7 +26,7 @@ def test_minimal_spec_gets_defaults() -> None:
     assert spec.socket_dir == "/var/run/weightcache"
     assert spec.engine.selector is None
     assert spec.engine.byte_tolerance == 0.01
-    assert spec.sidecar.service_account_name == "weightcache-daemon"
+    assert (spec.sidecar.run_as_user, spec.sidecar.run_as_group) == (65533, 65533)
     assert spec.slots == 1
 
 
@@ -87,7 +87,7 @@ def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
         ),
         (
             {**MINIMAL, "engine": {"selector": {"matchLabels": {"a": 1}}}},
-            "spec.engine.selector.matchLabels.a",
+            "spec.engine.selector.matchLabels[...]",
         ),
         ({**MINIMAL, "placement": {"tolerations": {"key": "x"}}}, "spec.placement.tolerations"),
         (
@@ -95,17 +95,23 @@ def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
             "spec.sidecar.allowedPeers.uids",
         ),
         ({**MINIMAL, "sidecar": {"allowedPeers": {"gids": "0"}}}, "spec.sidecar.allowedPeers.gids"),
+        # Root as a peer would let any root process on the node map the weights.
+        ({**MINIMAL, "sidecar": {"allowedPeers": {"uids": [0]}}}, "spec.sidecar.allowedPeers.uids"),
+        ({**MINIMAL, "sidecar": {"allowedPeers": {"gids": [0]}}}, "spec.sidecar.allowedPeers.gids"),
+        # An empty selector would hold every gated pod of the namespace.
+        ({**MINIMAL, "engine": {"selector": {}}}, "spec.engine.selector"),
+        ({**MINIMAL, "engine": {"selector": {"matchLabels": {}}}}, "spec.engine.selector"),
     ],
 )
 def test_invalid_specs_name_the_field(raw: dict, field: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_spec(raw)
-    assert str(err.value).startswith(field + ":"), str(err.value)
+    assert str(err.value).startswith((field + ":", field + "[")), str(err.value)
 
 
 def test_integer_quantities_are_accepted_as_strings() -> None:
     spec = parse_spec({**MINIMAL, "sidecar": {"resources": {"requests": {"cpu": 2}}}})
-    assert spec.sidecar.requests == {"cpu": "2"}
+    assert spec.sidecar.resources.requests == {"cpu": 2}
 
 
 def test_hash_is_stable_and_ignores_defaults_being_explicit() -> None:
@@ -165,8 +171,8 @@ def test_parse_does_not_mutate_input() -> None:
     ("selector", "labels", "matches"),
     [
         (LabelSelector(), {}, True),
-        (LabelSelector((("app", "e"),)), {"app": "e", "x": "y"}, True),
-        (LabelSelector((("app", "e"),)), {"app": "f"}, False),
+        (LabelSelector({"app": "e"}), {"app": "e", "x": "y"}, True),
+        (LabelSelector({"app": "e"}), {"app": "f"}, False),
         (LabelSelector(match_expressions=(Requirement("t", "In", ("a", "b")),)), {"t": "b"}, True),
         (LabelSelector(match_expressions=(Requirement("t", "In", ("a",)),)), {}, False),
         (LabelSelector(match_expressions=(Requirement("t", "NotIn", ("a",)),)), {}, True),

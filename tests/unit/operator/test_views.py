@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from weightcache.report import annotation_key
 from weightcache_operator import names, views
 
 
@@ -10,14 +11,27 @@ def test_daemon_pod_view() -> None:
             "namespace": "ns",
             "creationTimestamp": "2026-01-01T00:00:00Z",
             "labels": {names.CACHE_LABEL: "wc"},
-            "annotations": {names.REPORT_ANNOTATION: "{}", names.SPEC_HASH_ANNOTATION: "h"},
+            "annotations": {
+                annotation_key("GPU-1"): "{}",
+                annotation_key("GPU-2"): "[]",
+                "weightcache.dev/report": "an old-style report is not read",
+                "other.example/x": "y",
+                names.SPEC_HASH_ANNOTATION: "h",
+            },
+            "ownerReferences": [
+                {"kind": "Node", "uid": "not-the-controller"},
+                {"kind": "DaemonSet", "uid": "ds-uid", "controller": True},
+            ],
         },
         "spec": {"nodeName": "n1"},
         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
     view = views.daemon_pod_view(body)
     assert view == views.DaemonPodView(
-        "ns", "wc-x", "wc", "n1", "Running", True, False, "{}", "h", "2026-01-01T00:00:00Z"
+        namespace="ns", name="wc-x", cache="wc", node="n1", phase="Running", ready=True,
+        terminating=False,
+        reports={annotation_key("GPU-1"): "{}", annotation_key("GPU-2"): "[]"},
+        spec_hash="h", created="2026-01-01T00:00:00Z", controller_uid="ds-uid",
     )
     body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:01Z"
     body["status"] = {}
@@ -55,6 +69,8 @@ def test_daemonset_view() -> None:
         "metadata": {
             "name": "weightcache-wc",
             "namespace": "ns",
+            "uid": "ds-uid",
+            "ownerReferences": [{"kind": "WeightCache", "uid": "cache-uid", "controller": True}],
             "generation": 4,
             "labels": {names.CACHE_LABEL: "wc"},
             "annotations": {names.GENERATION_ANNOTATION: "7", names.RENDER_HASH_ANNOTATION: "r"},
@@ -65,7 +81,9 @@ def test_daemonset_view() -> None:
             "observedGeneration": 4,
         },
     }
-    assert views.daemonset_view(body) == views.DaemonSetView("ns", "wc", 3, 2, 4, 4, 7, "r")
+    assert views.daemonset_view(body) == views.DaemonSetView(
+        "ns", "weightcache-wc", "ds-uid", "cache-uid", "wc", 3, 2, 4, 4, 7, "r"
+    )
     body["metadata"]["annotations"][names.GENERATION_ANNOTATION] = "x"
     assert views.daemonset_view(body).applied_generation is None
 
@@ -75,13 +93,13 @@ def test_node_view_reads_only_ready_cache_labels() -> None:
         "metadata": {
             "name": "n",
             "labels": {
-                "weightcache.dev/minilm": "Ready",
-                "weightcache.dev/other": "NotReady",
+                "weightcache.dev/team.minilm": "Ready",
+                "weightcache.dev/team.other": "NotReady",
                 "kubernetes.io/hostname": "n",
             },
         }
     }
-    assert views.node_view(body) == views.NodeView("n", frozenset({"minilm"}))
+    assert views.node_view(body) == views.NodeView("n", frozenset({"team.minilm"}))
 
 
 def test_cache_view_copies_spec_and_status() -> None:

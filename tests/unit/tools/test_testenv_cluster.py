@@ -17,6 +17,7 @@ def _pki(root: Path) -> pki.Pki:
         pair("admin"),
         pair("kcm"),
         pair("sched"),
+        pair("kubelet-client"),
         root / "sa.key",
         root / "sa.pub",
     )
@@ -35,6 +36,16 @@ def test_apiserver_serves_only_tls_on_loopback_with_rbac(tmp_path: Path) -> None
     assert flags["client-ca-file"] == str(tmp_path / "ca.crt")
     assert flags["service-account-signing-key-file"] == str(tmp_path / "sa.key")
     assert not any(k.startswith("insecure") for k in flags)
+    assert flags["kubelet-certificate-authority"] == str(tmp_path / "ca.crt")
+    assert flags["kubelet-client-certificate"] == str(tmp_path / "kubelet-client.crt")
+    assert "egress-selector-config-file" not in flags
+
+
+def test_a_real_node_routes_the_api_servers_node_traffic_through_egress(tmp_path: Path) -> None:
+    egress = tmp_path / "egress.json"
+    flags = _flags(cluster.apiserver_args(_pki(tmp_path), PORTS, tmp_path, egress))
+    assert flags["egress-selector-config-file"] == str(egress)
+    assert flags["kubelet-preferred-address-types"] == "InternalIP"
 
 
 def test_controllers_sign_tokens_and_publish_the_root_ca(tmp_path: Path) -> None:

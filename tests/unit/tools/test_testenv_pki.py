@@ -34,7 +34,8 @@ def _openssl(*args: str) -> str:
 
 def test_generated_chain_verifies_and_carries_identities(tmp_path: Path) -> None:
     certs = pki.generate(tmp_path, "10.96.0.1")
-    for pair in (certs.apiserver, certs.admin, certs.controller_manager, certs.scheduler):
+    for pair in (certs.apiserver, certs.admin, certs.controller_manager, certs.scheduler,
+                 certs.apiserver_kubelet_client):
         assert (
             _openssl("verify", "-CAfile", str(certs.ca.cert), str(pair.cert)).strip().endswith("OK")
         )
@@ -47,3 +48,16 @@ def test_generated_chain_verifies_and_carries_identities(tmp_path: Path) -> None
     # The service-account public key is the private key's.
     derived = _openssl("pkey", "-in", str(certs.service_account_key), "-pubout")
     assert derived == certs.service_account_pub.read_text()
+
+
+def test_node_certificates_carry_the_node_identity_and_address(tmp_path: Path) -> None:
+    certs = pki.generate(tmp_path / "cluster", "10.96.0.1")
+    node = pki.generate_node(tmp_path / "node", certs.ca, "real-0", "10.250.0.1")
+    for pair in (node.client, node.serving):
+        assert (
+            _openssl("verify", "-CAfile", str(certs.ca.cert), str(pair.cert)).strip().endswith("OK")
+        )
+    client = _openssl("x509", "-in", str(node.client.cert), "-noout", "-subject")
+    assert "O = system:nodes" in client and "CN = system:node:real-0" in client
+    serving = _openssl("x509", "-in", str(node.serving.cert), "-noout", "-ext", "subjectAltName")
+    assert "IP Address:10.250.0.1" in serving and "DNS:real-0" in serving

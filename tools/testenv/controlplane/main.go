@@ -1,9 +1,10 @@
 // Command controlplane runs kube-apiserver, kube-controller-manager,
-// kube-scheduler or etcd, chosen by its first argument or by the name it was
-// invoked under (symlinks), so the test control plane links one binary.
+// kube-scheduler, kubelet or etcd, chosen by its first argument or by the name
+// it was invoked under (symlinks), so the test cluster links one binary.
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -18,12 +19,14 @@ import (
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 var commands = map[string]func() *cobra.Command{
 	"kube-apiserver":          apiserver.NewAPIServerCommand,
 	"kube-controller-manager": controllermanager.NewControllerManagerCommand,
 	"kube-scheduler":          func() *cobra.Command { return scheduler.NewSchedulerCommand() },
+	"kubelet":                 func() *cobra.Command { return kubelet.NewKubeletCommand(context.Background()) },
 }
 
 func main() {

@@ -1,0 +1,741 @@
+"""Fleet scale: one WeightCache over N kwok GPU nodes x 8 GPUs, one gated engine pod per node.
+
+    python -m benchmarks.run --suite scale --scale-nodes 10,100,1000 --out results.json
+
+Everything is real except the GPUs and the daemons' processes: a fresh local
+control plane (tools/testenv: etcd, kube-apiserver, controller-manager,
+scheduler, kwok), the operator as its own process under a ServiceAccount bound
+to `rbac.OPERATOR_RULES`, the cache's DaemonSet rolled out by the real
+DaemonSet controller onto the kwok nodes, and the daemons' reports written by
+the real reporter functions under the daemon's bound tokens, through the
+chart's report guard (see benchmarks/fleet.py).
+
+Waves, each measured from the apiserver's /metrics (the operator's requests by
+verb and resource, told apart by FlowSchemas: benchmarks/apimetrics.py), the
+operator's /proc (CPU seconds, peak RSS) and the watches' view of every gate
+and label:
+
+- start: the operator starts with the engine pods already there (no cache);
+- install: the WeightCache is created, the DaemonSet lands on every node;
+- loading: every daemon reports Loading;
+- ready: every daemon reports Ready, spread over ~60 s;
+- degrade: 1 % of the nodes go bad (daemon pod deleted, a wrong fingerprint,
+  bytes below expected);
+- spec: a new model revision, rolled across the fleet by the DaemonSet
+  controller, each new daemon pod reporting Loading then Ready.
+
+After each wave the harness waits until every gate and label is what the
+wave's reports justify (bounded by `wave_timeout`; a wave that does not get
+there is recorded as not converged, with what was still wrong), then until the
+operator has stopped writing, and records the figures. Latencies are measured
+from the last report of a node (per pod) and of the wave (total), as the
+harness's watches saw them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks import apimetrics
+from benchmarks.fleet import DaemonPod, Daemons, FleetView, FleetWatch, Gate, RawApi, Report
+from tests.k8s.operator_flow import (
+    DAEMON_SA,
+    OperatorProcess,
+    apply,
+    install_crd,
+    install_daemon_account,
+    install_operator_account,
+)
+from tools.testenv import assets, kubeconfig
+from tools.testenv.cluster import Cluster, interrupt_on_termination
+from weightcache_operator import gate, names, rbac
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "weightcache-operator"
+NAMESPACE = "fleet"
+OPERATOR_NAMESPACE = "wc-system"
+OPERATOR_ACCOUNT = "weightcache-operator"
+CACHE = "llama"
+ENGINE_APP = "fleet-engine"
+SOCKET_ROOT = "/var/run/weightcache"
+MODEL_ROOT = "/models"
+# One TP-8 shard of a 70B bf16 checkpoint.
+SHARD_BYTES = 17_637_744_640
+TOKEN_SECONDS = 6 * 3600
+# A wave's reports need not say anything new to the operator for this long
+# before its writes count as settled (longer than any coalescing delay).
+POLL = 0.25
+
+
+@dataclass(frozen=True)
+class Options:
+    nodes: int = 1000
+    gpus: int = 8
+    ready_seconds: float = 60.0
+    degrade_fraction: float = 0.01
+    # Bound on each wave's convergence (a wave past it is recorded, not failed).
+    wave_timeout: float = 1200.0
+    # The operator counts as settled after this long without a write.
+    quiet_seconds: float = 8.0
+    writers: int = 8
+    seed: int = 19
+    # Run the operator from another checkout (its operator/ and sidecar/), e.g. a baseline.
+    operator_src: Path | None = None
+    # Stop after the first wave that does not converge (later ones would measure the backlog).
+    stop_on_timeout: bool = True
+
+
+# --------------------------------------------------------------------------- expectations (pure)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one node's engine gate and label must show once the operator caught up."""
+
+    status: str
+    reasons: frozenset[str]
+    label: bool
+    # The gate message must contain this (e.g. the daemon pod that justified it).
+    message: str | None = None
+
+    def gate_ok(self, g: Gate | None) -> bool:
+        return (g is not None and g.status == self.status and g.reason in self.reasons
+                and (self.message is None or self.message in g.message))
+
+
+def closed(*reasons: str, message: str | None = None) -> Expect:
+    return Expect("False", frozenset(reasons), False, message)
+
+
+def opened(pod: str) -> Expect:
+    return Expect("True", frozenset({gate.WEIGHTS_RESIDENT}), True, f"daemon pod {pod}:")
+
+
+def percentiles(samples: Iterable[float]) -> dict[str, float | int] | None:
+    """p50, p99 and max by nearest rank; None without samples."""
+    ordered = sorted(samples)
+    if not ordered:
+        return None
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.999999) - 1))]
+
+    return {"p50": round(rank(0.50), 3), "p99": round(rank(0.99), 3),
+            "max": round(ordered[-1], 3), "n": len(ordered)}
+
+
+def degraded_nodes(nodes: list[str], fraction: float, seed: int) -> dict[str, str]:
+    """Node -> how it degrades: at least one node per kind, kinds in turn."""
+    kinds = ("deleted", "fingerprint", "bytes")
+    count = max(len(kinds), round(len(nodes) * fraction))
+    chosen = random.Random(seed).sample(sorted(nodes), min(count, len(nodes)))
+    return {node: kinds[i % len(kinds)] for i, node in enumerate(sorted(chosen))}
+
+
+@dataclass
+class Changes:
+    """What a wave changed: per node, when its last change landed."""
+
+    last: dict[str, float] = field(default_factory=dict)
+    reports: int = 0
+    other: int = 0
+    started: float = 0.0
+    # Further figures of the wave, recorded as they are.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def note(self, node: str, when: float | None) -> None:
+        if when is not None:
+            self.last[node] = max(self.last.get(node, 0.0), when)
+
+    @property
+    def ended(self) -> float:
+        return max(self.last.values(), default=self.started)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class RssSampler:
+    """Peak RSS of a process between resets, sampled every half second."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self.stopping = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="rss").start()
+
+    def _run(self) -> None:
+        while not self.stopping.wait(0.5):
+            rss = apimetrics.rss_bytes(self.pid)
+            if rss is not None:
+                self.peak = max(self.peak, rss)
+
+    def take(self) -> int:
+        peak = max(self.peak, apimetrics.rss_bytes(self.pid) or 0)
+        self.peak = 0
+        return peak
+
+
+@dataclass
+class Snapshot:
+    at: float
+    counts: apimetrics.Counts
+    cpu: dict[str, float]
+    busy: float
+    harness: float
+
+
+class FleetRun:
+    """One control plane with `nodes` kwok GPU nodes, the operator, and the waves."""
+
+    def __init__(self, options: Options, work: Path) -> None:
+        self.o = options
+        self.work = work
+        self.cluster: Cluster | None = None
+        self.operator: OperatorProcess | None = None
+        self.watch: FleetWatch | None = None
+        self.daemons: Daemons | None = None
+        self.view = FleetView(NAMESPACE, f"app={ENGINE_APP}",
+                              names.node_label_key(NAMESPACE, CACHE))
+        self.spec_hash = ""
+        self.reported: dict[str, str] = {}  # node -> the daemon pod whose reports stand
+        self.log = work / "operator.log"
+
+    # ------------------------------------------------------------------ set-up
+
+    def __enter__(self) -> FleetRun:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        o = self.o
+        say(f"starting a control plane with {o.nodes} kwok nodes")
+        self.cluster = cluster = Cluster(self.work / "testenv", assets.ensure_binaries(),
+                                         node_count=o.nodes, gpus_per_node=o.gpus)
+        cluster.start(timeout=180 + o.nodes * 0.5)
+        self.api = RawApi(cluster, maxsize=8)
+        self.nodes = list(cluster.node_names)
+        # The node controller takes the not-ready taint off new nodes at its own
+        # pace (20 requests/s); the fleet is there once every node is schedulable.
+        self._until("every node schedulable", self._schedulable, 180 + o.nodes * 0.5, every=2.0)
+        install_crd(cluster)
+        for ns in (NAMESPACE, OPERATOR_NAMESPACE):
+            self.api.request("POST", "/api/v1/namespaces",
+                             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        self._until("the namespace's default ServiceAccount",
+                    lambda: self.api.request(
+                        "GET", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/default",
+                        ok=(404,)).__class__ is dict, 120)
+        install_operator_account(cluster, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
+        install_daemon_account(cluster, NAMESPACE)
+        apply(cluster, *apimetrics.flow_schemas("op", OPERATOR_NAMESPACE, OPERATOR_ACCOUNT,
+                                                rbac.OPERATOR_RULES))
+        apply(cluster, *apimetrics.flow_schemas("daemon", NAMESPACE, DAEMON_SA,
+                                                rbac.DAEMON_RULES))
+        apply(cluster, *report_guard(cluster))
+        # A token outliving the run (the default one lasts an hour).
+        token = cluster.mint_token(OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, TOKEN_SECONDS)
+        self.operator_config = kubeconfig.write(
+            self.work / "operator.kubeconfig",
+            kubeconfig.render(cluster.server, cluster.ca.read_bytes(),
+                              kubeconfig.token_user(token)))
+        say(f"creating {o.nodes} engine pods")
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda n: self.api.request(
+                "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", engine_pod(n)), self.nodes))
+        self.daemons = Daemons(cluster, self.api, NAMESPACE, DAEMON_SA, o.writers)
+        self.watch = FleetWatch(self.api, self.view)
+        self.watch.start()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        if self.daemons is not None:
+            self.daemons.close()
+        if self.operator is not None:
+            self.operator.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    def start_operator(self) -> None:
+        env = {}
+        if self.o.operator_src is not None:
+            src = self.o.operator_src.resolve()
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(src / "operator"), str(src / "sidecar"), os.environ.get("PYTHONPATH", "")])
+        self.operator = OperatorProcess(self.operator_config, self.log, policy=policy(), env=env)
+        self.operator.start()
+        assert self.operator.proc is not None
+        self.rss = RssSampler(self.operator.proc.pid)
+
+    # ------------------------------------------------------------------ measuring
+
+    def snapshot(self) -> Snapshot:
+        assert self.cluster is not None and self.operator is not None
+        assert self.operator.proc is not None
+        cpu = {name: apimetrics.cpu_seconds(p.pid) or 0.0
+               for name, p in self.cluster.group.procs.items()}
+        cpu["operator"] = apimetrics.cpu_seconds(self.operator.proc.pid) or 0.0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return Snapshot(
+            at=time.monotonic(),
+            counts=apimetrics.counts(self.api.get("/metrics")),
+            cpu=cpu,
+            busy=apimetrics.system_cpu()[0],
+            harness=usage.ru_utime + usage.ru_stime,
+        )
+
+    def operator_writes_now(self) -> int:
+        flows = apimetrics.counts(self.api.get("/metrics")).flows
+        head = f"{apimetrics.FLOW_PREFIX}op-"
+        return int(sum(v for k, v in flows.items() if k.startswith(head)
+                       and k[len(head):].split("-", 1)[0] in apimetrics.MUTATING))
+
+    def settle(self) -> float:
+        """Wait until the operator has written nothing for `quiet_seconds`; seconds waited."""
+        started = time.monotonic()
+        last, quiet_since = self.operator_writes_now(), time.monotonic()
+        while time.monotonic() - quiet_since < self.o.quiet_seconds:
+            if time.monotonic() - started > 180:
+                break
+            time.sleep(1.0)
+            now = self.operator_writes_now()
+            if now != last:
+                last, quiet_since = now, time.monotonic()
+        return time.monotonic() - started
+
+    def status(self) -> dict[str, Any]:
+        return self.api.get(f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{NAMESPACE}/"
+                            f"{names.PLURAL}/{CACHE}")
+
+    def converge(self, expect: Callable[[str], Expect], ready_nodes: int | None,
+                 started: float) -> dict[str, Any]:
+        """Wait until every gate, label and the status count agree with `expect`.
+
+        `ready_nodes` is the status's readyNodes the wave must end with (None: no cache).
+        """
+        assert self.watch is not None
+        deadline = started + self.o.wave_timeout
+        status_at: float | None = None
+        next_status = 0.0
+        wrong: dict[str, Any] = {}
+        while True:
+            self.watch.check()
+            if self.operator is not None:
+                self.operator.check_running()
+            now = time.monotonic()
+            if ready_nodes is None:
+                status_at = status_at or now
+            elif status_at is None and now >= next_status:
+                ready = (self.status().get("status") or {}).get("readyNodes")
+                if ready == ready_nodes:
+                    status_at = time.monotonic()
+                next_status = now + 1.0
+            wrong = self.wrong(expect)
+            if not wrong["gates"] and not wrong["labels"] and status_at is not None:
+                return {"converged": True, "status_at": status_at}
+            if now > deadline:
+                return {"converged": False, "status_at": status_at, "wrong": summarize(wrong)}
+            time.sleep(POLL)
+
+    def wrong(self, expect: Callable[[str], Expect]) -> dict[str, Any]:
+        gates, labels = {}, {}
+        with self.view.lock:
+            engines = {e.node: e for e in self.view.engines.values()}
+            for node in self.nodes:
+                want = expect(node)
+                engine = engines.get(node)
+                if engine is None or not want.gate_ok(engine.gate):
+                    g = engine.gate if engine else None
+                    gates[node] = (g.status, g.reason, g.message[:160]) if g else None
+                has = self.view.labels.get(node, (False, 0.0))[0]
+                if has != want.label:
+                    labels[node] = has
+        return {"gates": gates, "labels": labels}
+
+    def wave(self, name: str, act: Callable[[], Changes], expect: Callable[[str], Expect],
+             ready_nodes: Callable[[], int]) -> dict[str, Any]:
+        """`act` makes the wave's changes; then `expect` and `ready_nodes` say what must follow."""
+        say(f"wave {name}")
+        before = self.snapshot()
+        self.rss.take()
+        changes = act()
+        result = self.converge(expect, ready_nodes(), changes.started)
+        settled = self.settle() if result["converged"] else 0.0
+        after = self.snapshot()
+        status = self.status()
+        record = self.record(name, changes, result, before, after, status)
+        record["settle_s"] = round(settled, 1)
+        say(json.dumps({k: record[k] for k in ("wave", "converged", "total_s", "gate_latency_s")}
+                       | {"writes": record["operator"]["writes"],
+                          "cpu_s": record["operator"]["cpu_s"]}))
+        return record
+
+    def record(self, name: str, changes: Changes, result: Mapping[str, Any], before: Snapshot,
+               after: Snapshot, cache: Mapping[str, Any]) -> dict[str, Any]:
+        assert self.daemons is not None
+        op = apimetrics.flow_delta(before.counts, after.counts, "op")
+        daemon = apimetrics.flow_delta(before.counts, after.counts, "daemon")
+        writes = apimetrics.writes(op)
+        change_count = changes.reports + changes.other
+        gate_lat, label_lat, last_seen = [], [], changes.started
+        with self.view.lock:
+            engines = {e.node: e for e in self.view.engines.values()}
+            for node in (self.nodes if result["converged"] else []):
+                e = engines.get(node)
+                label_since = self.view.labels.get(node, (False, changes.started))[1]
+                if e is not None and e.gate is not None:
+                    last_seen = max(last_seen, e.gate.since)
+                last_seen = max(last_seen, label_since)
+                if node in changes.last:
+                    if e is not None and e.gate is not None:
+                        gate_lat.append(max(0.0, e.gate.since - changes.last[node]))
+                    label_lat.append(max(0.0, label_since - changes.last[node]))
+        status = cache.get("status") or {}
+        busy = after.busy - before.busy
+        ours = sum(after.cpu[k] - before.cpu.get(k, 0.0) for k in after.cpu)
+        harness = after.harness - before.harness
+        wall = after.at - before.at
+        record: dict[str, Any] = {
+            "wave": name,
+            "nodes_changed": len(changes.last),
+            "report_writes": changes.reports,
+            "other_changes": changes.other,
+            "changes_seconds": round(changes.ended - changes.started, 2),
+            "converged": result["converged"],
+            "gate_latency_s": percentiles(gate_lat),
+            "label_latency_s": percentiles(label_lat),
+            # From the wave's last change to the last gate or label reaching its value.
+            "total_s": (round(max(0.0, last_seen - changes.ended), 3)
+                        if result["converged"] else None),
+            "status_s": (round(max(0.0, result["status_at"] - changes.ended), 3)
+                         if result.get("status_at") else None),
+            "operator": {
+                "requests": op,
+                "writes": writes,
+                "writes_per_change": round(writes / change_count, 3) if change_count else None,
+                "status_writes": op.get(f"patch {names.PLURAL}/status", 0),
+                "cpu_s": round(after.cpu["operator"] - before.cpu["operator"], 2),
+                "peak_rss_mib": round(self.rss.take() / 2**20, 1),
+            },
+            "daemon_requests": daemon,
+            "status_bytes": len(json.dumps(status, separators=(",", ":"))),
+            "object_bytes": len(json.dumps(cache, separators=(",", ":"))),
+            "status_nodes_listed": len(status.get("nodes") or []),
+            "status_ready": status.get("ready"),
+            "gate_values_seen": self.view.gate_changes,
+            "apiserver_requests_all_clients": dict(
+                list(apimetrics.all_clients_delta(before.counts, after.counts).items())[:25]),
+            "cpu_s": {
+                **{k: round(after.cpu[k] - before.cpu.get(k, 0.0), 2) for k in after.cpu},
+                "harness": round(harness, 2),
+                "others_on_machine": round(max(0.0, busy - ours - harness), 2),
+                "machine_busy": round(busy, 2),
+            },
+            **changes.extra,
+            "wall_s": round(wall, 1),
+            "loadavg_end": apimetrics.loadavg(),
+            "report_retries": dict(self.daemons.failed),
+        }
+        if not result["converged"]:
+            record["wrong"] = result["wrong"]
+        return record
+
+    # ------------------------------------------------------------------ waves
+
+    def run(self) -> dict[str, Any]:
+        steps: list[tuple[str, Callable[[], Changes], Callable[[str], Expect],
+                          Callable[[], int]]] = [
+            ("install", self.act_install,
+             lambda _: closed(gate.DAEMON_NOT_READY, message="no report yet"), lambda: 0),
+            ("loading", self.act_loading,
+             lambda _: closed(gate.DAEMON_NOT_READY, message=" is Loading"), lambda: 0),
+            ("ready", self.act_ready, lambda n: opened(self.reported[n]), lambda: self.o.nodes),
+            ("degrade", self.act_degrade, self.expect_degraded,
+             lambda: self.o.nodes - len(self.bad)),
+            ("spec", self.act_spec, lambda n: opened(self.reported[n]), lambda: self.o.nodes),
+        ]
+        waves = [self.wave_start()]
+        for name, act, expect, ready in steps:
+            if not waves[-1]["converged"] and self.o.stop_on_timeout:
+                say(f"wave {waves[-1]['wave']} did not converge within "
+                    f"{self.o.wave_timeout:.0f} s; stopping")
+                break
+            waves.append(self.wave(name, act, expect, ready))
+        return {"options": {k: (str(v) if isinstance(v, Path) else v)
+                            for k, v in dataclasses.asdict(self.o).items()},
+                "operator_source": str(self.o.operator_src or REPO),
+                "waves": waves}
+
+    def wave_start(self) -> dict[str, Any]:
+        """The operator starting with every engine pod already there and no cache yet."""
+        say("wave start")
+        self.start_operator()
+        before = self.snapshot()
+        self.rss.take()
+        changes = Changes(started=before.at)
+        result = self.converge(lambda _: closed(gate.NO_WEIGHTCACHE), None, changes.started)
+        settled = self.settle() if result["converged"] else 0.0
+        after = self.snapshot()
+        record = self.record("start", changes, result, before, after, {})
+        record["settle_s"] = round(settled, 1)
+        return record
+
+    def act_install(self) -> Changes:
+        assert self.cluster is not None
+        changes = Changes(started=time.monotonic())
+        apply(self.cluster, weightcache(self.o.gpus, "r1"))
+        changes.other = 1
+        daemons = self._until("a daemon pod running on every node",
+                              lambda: self._all_running(None), self.o.wave_timeout)
+        self.spec_hash = next(iter(daemons.values())).spec_hash
+        return changes
+
+    def _schedulable(self) -> bool:
+        listing = self.api.get("/api/v1/nodes")
+        return all(not any(t.get("effect") == "NoSchedule" for t in n["spec"].get("taints") or [])
+                   for n in listing["items"])
+
+    def _all_running(self, spec_hash: str | None) -> dict[str, DaemonPod] | None:
+        pods = self.view.running_daemons()
+        if spec_hash is not None:
+            pods = {n: p for n, p in pods.items() if p.spec_hash == spec_hash}
+        return pods if len(pods) == len(self.nodes) else None
+
+    def act_loading(self) -> Changes:
+        assert self.daemons is not None
+        pods = self.view.running_daemons()
+        reports = [Report(pods[n], slot, "loading", self.spec_hash, 0, SHARD_BYTES)
+                   for n in self.nodes for slot in range(self.o.gpus)]
+        return self.write_all(reports, [0.0] * len(reports))
+
+    def act_ready(self) -> Changes:
+        pods = self.view.running_daemons()
+        reports = [Report(pods[n], slot, "ready", self.spec_hash, SHARD_BYTES, SHARD_BYTES)
+                   for n in self.nodes for slot in range(self.o.gpus)]
+        rng = random.Random(self.o.seed)
+        offsets = [rng.uniform(0, self.o.ready_seconds) for _ in reports]
+        self.reported = {n: pods[n].name for n in self.nodes}
+        return self.write_all(reports, offsets)
+
+    def act_degrade(self) -> Changes:
+        pods = self.view.running_daemons()
+        self.bad = degraded_nodes(self.nodes, self.o.degrade_fraction, self.o.seed)
+        reports, deleted = [], []
+        wrong_hash = hashlib.sha256(b"a spec nobody asked for").hexdigest()
+        for node, kind in sorted(self.bad.items()):
+            pod = pods[node]
+            if kind == "fingerprint":
+                reports.append(Report(pod, 0, "ready", wrong_hash, SHARD_BYTES, SHARD_BYTES))
+            elif kind == "bytes":
+                reports.append(Report(pod, 0, "ready", self.spec_hash, SHARD_BYTES // 2,
+                                      SHARD_BYTES))
+            else:
+                deleted.append(pod)
+        changes = self.write_all(reports, [0.0] * len(reports))
+        for pod in deleted:
+            self.api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.name}")
+            changes.note(pod.node or "", time.monotonic())
+            changes.other += 1
+        return changes
+
+    def expect_degraded(self, node: str) -> Expect:
+        kind = self.bad.get(node)
+        if kind is None:
+            return opened(self.reported[node])
+        if kind == "fingerprint":
+            return closed(gate.FINGERPRINT_MISMATCH)
+        if kind == "bytes":
+            return closed(gate.BYTES_BELOW_EXPECTED)
+        return closed(gate.DAEMON_NOT_READY, gate.NO_DAEMON_ON_NODE)
+
+    def act_spec(self) -> Changes:
+        """A new model revision; each daemon pod the rollout creates loads and reports."""
+        assert self.cluster is not None and self.daemons is not None
+        old = self.spec_hash
+        changes = Changes(started=time.monotonic())
+        self.api.request(
+            "PATCH", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{NAMESPACE}/"
+            f"{names.PLURAL}/{CACHE}", {"spec": {"model": {"revision": "r2"}}},
+            content_type="application/merge-patch+json")
+        changes.other = 1
+        done: dict[str, DaemonPod] = {}
+        futures = []
+        lock = threading.Lock()
+
+        def load(pod: DaemonPod) -> None:
+            for state, held in (("loading", 0), ("ready", SHARD_BYTES)):
+                for slot in range(self.o.gpus):
+                    when = self.daemons.write(  # type: ignore[union-attr]
+                        Report(pod, slot, state, pod.spec_hash, held, SHARD_BYTES))
+                    with lock:
+                        changes.reports += 1
+                        changes.note(pod.node or "", when)
+
+        deadline = changes.started + self.o.wave_timeout
+        pool = ThreadPoolExecutor(self.o.writers, thread_name_prefix="rollout")
+        try:
+            while len(done) < len(self.nodes) and time.monotonic() < deadline:
+                assert self.watch is not None
+                self.watch.check()
+                for node, pod in self.view.running_daemons().items():
+                    if pod.spec_hash != old and (node not in done or done[node].uid != pod.uid):
+                        done[node] = pod
+                        self.spec_hash = pod.spec_hash
+                        futures.append(pool.submit(load, pod))
+                        # The DaemonSet controller's pace (maxUnavailable 1), not the operator's.
+                        changes.extra["rollout_s"] = round(time.monotonic() - changes.started, 1)
+                time.sleep(POLL)
+            for f in futures:
+                f.result()
+        finally:
+            pool.shutdown(wait=True)
+        self.reported = {n: p.name for n, p in done.items()}
+        self.bad = {}
+        if len(done) < len(self.nodes):
+            missing = sorted(set(self.nodes) - set(done))
+            self.reported.update({n: "<not rolled>" for n in missing})
+        return changes
+
+    def write_all(self, reports: list[Report], offsets: list[float]) -> Changes:
+        """Write `reports`, each at its offset (seconds) from now; when each node's last landed."""
+        assert self.daemons is not None
+        changes = Changes(started=time.monotonic())
+        order = sorted(range(len(reports)), key=lambda i: offsets[i])
+        pending = []
+        for i in order:
+            delay = changes.started + offsets[i] - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            pending.append((reports[i], self.daemons.submit(reports[i])))
+        wait([f for _, f in pending])
+        for report, future in pending:
+            changes.note(report.pod.node or "", future.result())
+        changes.reports = len(reports)
+        return changes
+
+    def _until(self, what: str, probe: Callable[[], Any], bound: float,
+               every: float = POLL) -> Any:
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            if self.watch is not None:
+                self.watch.check()
+            value = probe()
+            if value:
+                return value
+            time.sleep(every)
+        raise RuntimeError(f"never reached: {what}")
+
+
+def summarize(wrong: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """How many gates and labels were still wrong, with a few examples."""
+    return {kind: {"count": len(items), "examples": dict(list(sorted(items.items()))[:5])}
+            for kind, items in wrong.items()}
+
+
+# --------------------------------------------------------------------------- objects
+
+
+def policy() -> dict[str, Any]:
+    return {
+        "setupImage": "localhost/weightcache-operator:scale",
+        "sidecarImage": "localhost/weightcache-sidecar:scale",
+        "daemonServiceAccount": DAEMON_SA,
+        "allowedHostPaths": {"socketDirs": [SOCKET_ROOT], "modelDirs": [MODEL_ROOT]},
+        "allowedTransports": ["auto", "vmm_fd", "memfd", "torch_ipc"],
+    }
+
+
+def weightcache(gpus: int, revision: str) -> dict[str, Any]:
+    """The committed GPU example's shape, spanning every GPU node of the cluster."""
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": CACHE, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"path": f"{MODEL_ROOT}/llama-70b", "revision": revision,
+                      "dtype": "bfloat16"},
+            "device": "cuda",
+            "gpus": {"perNode": gpus, "tpSize": gpus, "shardPlan": "llama"},
+            "transport": "vmm_fd",
+            "gpuAccess": {"mode": "visible-devices"},
+            "socketDir": SOCKET_ROOT,
+            "placement": {"nodeSelector": {"nvidia.com/gpu.present": "true"}},
+            "engine": {"selector": {"matchLabels": {"app": ENGINE_APP}},
+                       "byteTolerance": 0.01},
+        },
+    }
+
+
+def engine_pod(node: str) -> dict[str, Any]:
+    """One engine per node, bound to it, held unready by the weights gate."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"engine-{node}", "labels": {"app": ENGINE_APP}},
+        "spec": {
+            "nodeName": node,
+            "readinessGates": [{"conditionType": names.GATE_CONDITION}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "engine", "image": "engine:1"}],
+        },
+    }
+
+
+def report_guard(cluster: Cluster) -> list[dict[str, Any]]:
+    """The chart's report guard (ValidatingAdmissionPolicy + binding) for the fleet namespace."""
+    out = cluster.helm("template", "scale", str(CHART), "-n", OPERATOR_NAMESPACE,
+                       "--show-only", "templates/daemon-report-guard.yaml",
+                       "--set", f"daemon.namespaces={{{NAMESPACE}}}").stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def say(message: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def run(options: Options, work: Path) -> dict[str, Any]:
+    """One fleet size, start to finish, on a control plane of its own."""
+    work.mkdir(parents=True, exist_ok=True)
+    # SIGTERM runs the clean-up too: the operator and the control plane stop.
+    interrupt_on_termination()
+    started = time.monotonic()
+    load_before = apimetrics.loadavg()
+    with FleetRun(options, work) as fleet:
+        result = fleet.run()
+    result["loadavg_before"] = load_before
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def suite(work: Path, sizes: Iterable[int], **options: Any) -> dict[str, Any]:
+    """`--suite scale`: each fleet size in turn, every figure per wave."""
+    out: dict[str, Any] = {"sizes": {}}
+    for nodes in sizes:
+        out["sizes"][str(nodes)] = run(Options(nodes=nodes, **options), work / f"scale-{nodes}")
+    return out

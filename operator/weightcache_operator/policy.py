@@ -1,0 +1,147 @@
+"""What a WeightCache may ask of a node, as the cluster admin configured it.
+
+A WeightCache makes the operator run a DaemonSet with hostPath mounts from the
+image the cache names, so its author could otherwise reach any host directory.
+The chart's `cachePolicy` values are the single source: the chart enforces
+them at admission (a ValidatingAdmissionPolicy on WeightCaches) and hands the
+same values to the operator as JSON in `WEIGHTCACHE_POLICY`, so the operator
+refuses to render what the policy forbids even for a cache admitted before the
+policy changed, or in a cluster without the admission policy.
+
+Without `WEIGHTCACHE_POLICY` nothing is allowed: no socket directory, no model
+directory, so the operator renders nothing until an admin says what is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated
+
+import msgspec
+
+from .spec import TRANSPORTS, WeightCacheSpec
+
+POLICY_ENV = "WEIGHTCACHE_POLICY"
+
+AbsPath = Annotated[str, msgspec.Meta(pattern=r"^(/[A-Za-z0-9._@+=,:~-]+)+/?$")]
+Image = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class PolicyError(ValueError):
+    """The WeightCache asks for something the cache policy forbids; names the field."""
+
+
+class HostPaths(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+    # spec.socketDir must be one of these exactly: each cache gets <dir>/<ns>.<name>,
+    # a name no other cache can take, so no cache can plant a symlink in another's path.
+    socket_dirs: tuple[AbsPath, ...] = ()
+    # spec.model.path must be one of these or lie below one (mounted read-only).
+    model_dirs: tuple[AbsPath, ...] = ()
+
+
+class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+    # The operator's own image: the only image that runs a privileged step (the
+    # socket directory's chown), never the one a WeightCache names.
+    setup_image: Image | None = None
+    # The daemon image for caches that set no spec.sidecar.image.
+    sidecar_image: Image | None = None
+    # Daemons run under this ServiceAccount only (the chart creates it); the
+    # chart's report guard covers exactly this identity.
+    daemon_service_account: str = "weightcache-daemon"
+    allowed_host_paths: HostPaths = HostPaths()
+    # Empty: any image.
+    allowed_sidecar_image_prefixes: tuple[Image, ...] = ()
+    allowed_transports: tuple[str, ...] = TRANSPORTS
+
+
+def policy_from_env(env: Mapping[str, str] = os.environ) -> Policy:
+    """The policy in `WEIGHTCACHE_POLICY`; `PolicyError` names what is malformed."""
+    raw = env.get(POLICY_ENV)
+    if not raw:
+        return Policy()
+    try:
+        policy = msgspec.json.decode(raw, type=Policy)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise PolicyError(f"{POLICY_ENV}: {exc}") from None
+    unknown = set(policy.allowed_transports) - set(TRANSPORTS)
+    if unknown:
+        raise PolicyError(f"{POLICY_ENV}: unknown transports {sorted(unknown)}")
+    return policy
+
+
+def _norm(path: str) -> str:
+    return path.rstrip("/") or "/"
+
+
+def path_within(path: str, directories: tuple[str, ...]) -> bool:
+    """`path` is one of `directories` or below one, compared by whole path segments."""
+    path = _norm(path)
+    for directory in map(_norm, directories):
+        if path == directory or path.startswith(directory.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def image_allowed(image: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether `image` is under one of `prefixes` at a registry/path boundary.
+
+    `registry.corp.example` admits `registry.corp.example/x:1` but not
+    `registry.corp.example.evil.io/x:1`; a prefix ending in `/` admits what is
+    below it; a full repository admits its tags and digests.
+    """
+    if not prefixes:
+        return True
+    for prefix in prefixes:
+        if prefix.endswith("/"):
+            if image.startswith(prefix):
+                return True
+        elif image == prefix or any(image.startswith(prefix + sep) for sep in "/:@"):
+            return True
+    return False
+
+
+def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int) -> str:
+    """The daemon image to run; `PolicyError` names the first field the policy forbids."""
+    if spec.transport not in policy.allowed_transports:
+        raise PolicyError(
+            f"spec.transport: {spec.transport} is not allowed by the cluster's cache policy "
+            f"(allowed: {', '.join(policy.allowed_transports)})"
+        )
+    sockets = policy.allowed_host_paths.socket_dirs
+    if _norm(spec.socket_dir) not in {_norm(d) for d in sockets}:
+        allowed = ", ".join(sockets) or "none (set cachePolicy.allowedHostPaths.socketDirs)"
+        raise PolicyError(
+            f"spec.socketDir: {spec.socket_dir} is not a socket directory the cluster's cache "
+            f"policy allows (allowed: {allowed})"
+        )
+    models = policy.allowed_host_paths.model_dirs
+    if spec.model.path is not None and not path_within(spec.model.path, models):
+        allowed = ", ".join(models) or "none (set cachePolicy.allowedHostPaths.modelDirs)"
+        raise PolicyError(
+            f"spec.model.path: {spec.model.path} is not under a model directory the cluster's "
+            f"cache policy allows (allowed: {allowed}); or use spec.model.pvc"
+        )
+    image = spec.sidecar.image or policy.sidecar_image
+    if not image:
+        raise PolicyError(
+            "spec.sidecar.image: unset, and the operator has no default sidecar image "
+            f"({POLICY_ENV} sidecarImage)"
+        )
+    if not image_allowed(image, policy.allowed_sidecar_image_prefixes):
+        raise PolicyError(
+            f"spec.sidecar.image: {image} is not allowed by the cluster's cache policy; it must "
+            f"be under one of: {', '.join(policy.allowed_sidecar_image_prefixes)}"
+        )
+    # With torch_ipc's hostPID a daemon of the operator's uid could read the
+    # operator's token through /proc; no daemon gets that uid.
+    if spec.sidecar.run_as_user == operator_uid:
+        raise PolicyError(
+            f"spec.sidecar.runAsUser: {operator_uid} is the operator's own uid; choose another"
+        )
+    if not policy.setup_image:
+        raise PolicyError(
+            f"the operator has no setup image ({POLICY_ENV} setupImage) to prepare "
+            "spec.socketDir with"
+        )
+    return image

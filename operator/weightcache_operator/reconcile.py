@@ -1,0 +1,484 @@
+"""The operator's reconcile passes: decisions from the pure modules, writes through `Kube`.
+
+Each pass is level-based and idempotent: it recomputes the desired state from
+the watch indices (`State`) and writes only what differs. Per-object locks
+make the last pass for an object the one that reads the freshest index. The
+`Reconciler` keeps what the operator itself wrote (statuses, node labels,
+gates; written.py): the indices lag our own writes by a watch round trip, so
+a lagging index neither repeats a write nor an event.
+
+What a change costs does not grow with the fleet: a daemon pod's report
+changes its node only, so `daemon_pod` decides that node's label and the
+gates of the engine pods on it, and asks for the cache's status, which is
+written at most once per `status_interval` however many reports arrive
+(the first at once, the rest coalesced into one trailing write, coalesce.py).
+A gate that opens or closes, or changes its reason, is written at once; a
+gate whose message alone changes (a node's GPUs reporting one by one) is
+coalesced the same way. Node verdicts are memoised until one of the node's
+daemon pods changes, so the status, which covers every node, re-judges only
+the nodes that changed.
+Whole-cache passes (`cache`) run on a spec change, a DaemonSet appearing or
+going, and the periodic resync.
+
+handlers.py calls these from kopf's handlers; tests/unit/operator/test_reconcile.py
+calls them with a recording `Kube` and plain-dict indices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from weightcache.report import rfc3339_now
+
+from . import aggregate, gate, metrics, names, nodes, render, views
+from .coalesce import Coalescer
+from .kube import api_message
+from .locks import KeyedLocks
+from .policy import Policy
+from .spec import SpecError, WeightCacheSpec, parse_spec, spec_hash
+from .state import State
+from .written import Written
+
+log = logging.getLogger(__name__)
+
+# A gate whose decision could not be computed stays closed, with this reason.
+EVALUATION_FAILED = "EvaluationFailed"
+# Memoised parses and renders kept, per (uid, generation), before starting afresh.
+MEMO_LIMIT = 4096
+# Node verdicts kept (one per cache and node) before starting afresh.
+VERDICT_MEMO_LIMIT = 1 << 17
+RETRY_SECONDS = 5
+# A cache's status, and a gate's message, are written at most this often while
+# reports keep changing them.
+STATUS_INTERVAL = 2.0
+
+
+class Kube(Protocol):
+    """The operator's writes (kube.Kube talks to the apiserver)."""
+
+    async def apply_daemonset(self, manifest: Mapping[str, Any]) -> None: ...
+
+    async def replace_cache_status(self, namespace: str, name: str,
+                                   status: Mapping[str, Any]) -> None: ...
+
+    async def set_pod_condition(self, namespace: str, name: str,
+                                condition: Mapping[str, Any]) -> None: ...
+
+    async def patch_node_labels(self, node: str, labels: Mapping[str, str | None]) -> None: ...
+
+    def post_event(self, obj: Mapping[str, Any], type: str, reason: str, message: str
+                   ) -> None: ...
+
+
+T = TypeVar("T")
+Parsed = tuple[WeightCacheSpec, str]
+Rendered = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """A node's verdict and the daemon pod views it was judged from."""
+
+    generation: int
+    pods: tuple[views.DaemonPodView, ...]
+    verdict: gate.Verdict
+
+    def holds_for(self, generation: int, pods: list[views.DaemonPodView]) -> bool:
+        # The index replaces a pod's view on every event for that pod, so the
+        # same view objects mean that nothing the verdict depends on changed.
+        return (generation == self.generation and len(pods) == len(self.pods)
+                and all(a is b for a, b in zip(pods, self.pods, strict=True)))
+
+
+@dataclass
+class Reconciler:
+    kube: Kube
+    policy: Policy
+    operator_uid: int
+    locks: KeyedLocks = field(default_factory=KeyedLocks)
+    status_interval: float = STATUS_INTERVAL
+    # Per (uid, generation): the parsed spec and hash, and the rendered DaemonSet.
+    _parsed: dict[tuple[str, int], Parsed | SpecError] = field(default_factory=dict)
+    _rendered: dict[tuple[str, int], Rendered | render.RenderError] = field(default_factory=dict)
+    # Per (cache uid, node): the node's last verdict.
+    _judged: dict[tuple[str, str], _Judged] = field(default_factory=dict)
+    # What this operator last wrote: status per cache uid, Ready label per (node, label),
+    # gate condition per engine pod uid.
+    statuses: Written[Mapping[str, Any]] = field(default_factory=Written)
+    labels: Written[bool] = field(default_factory=Written)
+    gates: Written[views.Condition | None] = field(default_factory=Written)
+    # Per cache uid: what each node was when its events were last posted.
+    announced: dict[str, dict[str, aggregate.NodeState]] = field(default_factory=dict)
+    # Coalesced writes: cache statuses, and gate messages (filled in __post_init__).
+    _statuses: Coalescer = field(init=False)
+    _messages: Coalescer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._statuses = Coalescer(self.status_interval, RETRY_SECONDS)
+        self._messages = Coalescer(self.status_interval, RETRY_SECONDS)
+
+    # ------------------------------------------------------------------ memoised decisions
+
+    def parsed(self, cache: views.CacheView) -> Parsed | SpecError:
+        return _memo(self._parsed, cache, lambda: _parse(cache))
+
+    def rendered(self, cache: views.CacheView) -> Rendered | render.RenderError | SpecError:
+        """The cache's DaemonSet, rendered once per (uid, generation) (policy and uid are fixed)."""
+        parsed = self.parsed(cache)
+        if isinstance(parsed, SpecError):
+            return parsed
+        spec, digest = parsed
+
+        def build() -> Rendered | render.RenderError:
+            ref = render.CacheRef(cache.namespace, cache.name, cache.uid, cache.generation)
+            try:
+                return render.render_daemonset(ref, spec, digest, self.policy, self.operator_uid)
+            except render.RenderError as exc:
+                return exc
+
+        return _memo(self._rendered, cache, build)
+
+    def verdict(self, state: State, cache: views.CacheView, node: str) -> gate.Verdict:
+        """The cache's verdict on one node, judged again only when its daemon pods changed."""
+        parsed = self.parsed(cache)
+        if isinstance(parsed, SpecError):
+            return gate.Verdict(False, aggregate.INVALID_SPEC, str(parsed))
+        spec, digest = parsed
+        pods = state.daemon_pods_on(cache, node)
+        key = (cache.uid, node)
+        judged = self._judged.get(key)
+        if judged is not None and judged.holds_for(cache.generation, pods):
+            return judged.verdict
+        verdict = gate.evaluate_node(spec, digest, pods)
+        if len(self._judged) >= VERDICT_MEMO_LIMIT:
+            self._judged.clear()
+        self._judged[key] = _Judged(cache.generation, tuple(pods), verdict)
+        return verdict
+
+    # ------------------------------------------------------------------ passes
+
+    async def apply_daemonset(self, state: State, cache: views.CacheView) -> None:
+        """Server-side apply the rendered DaemonSet unless it is already current.
+
+        An unrenderable spec is reported in status by `cache`, not raised:
+        retrying cannot fix it, only a spec change can.
+        """
+        manifest = self.rendered(cache)
+        if isinstance(manifest, Exception) or cache.deleting:
+            return
+        current = state.daemonset(cache)
+        wanted = manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION]
+        if (current and current.render_hash == wanted
+                and current.applied_generation == cache.generation):
+            return
+        try:
+            await self.kube.apply_daemonset(manifest)
+        except ApiException as exc:
+            metrics.ERRORS.labels("daemonset").inc()
+            message = f"applying DaemonSet: {exc.status} {exc.reason}: {api_message(exc)}"
+            raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc
+        log.info("applied DaemonSet %s/%s for generation %d",
+                 cache.namespace, manifest["metadata"]["name"], cache.generation)
+
+    async def cache(self, state: State, namespace: str, name: str) -> None:
+        """Status, node labels and engine gates that follow from one cache's daemons.
+
+        The whole-cache pass (a spec change, the DaemonSet appearing or going,
+        the resync). Labels and gates are decided before the status is written
+        and whether or not that write succeeds: a status the apiserver refuses
+        must never leave a gate open that the daemons no longer justify.
+        """
+        status_error: kopf.TemporaryError | None = None
+        async with self.locks.get(("cache", namespace, name)):
+            cache = state.cache(namespace, name)
+            if cache is None or cache.deleting:
+                return
+            metrics.RECONCILES.labels("cache").inc()
+            result = self._aggregate(state, cache)
+            try:
+                await self._write_status(cache, result)
+            except kopf.TemporaryError as exc:
+                status_error = exc
+        label = names.node_label_name(namespace, name)
+        for node in sorted(set(result.verdicts) | set(state.nodes_labelled(label))):
+            await self.node_label(state, node, namespace, name)
+        for pod in state.engine_pods(namespace):
+            await self.engine_pod(state, namespace, pod.name, pod.node)
+        if status_error is not None:
+            raise status_error
+
+    async def daemon_pod(
+        self, state: State, namespace: str, cache_name: str, node: str | None
+    ) -> None:
+        """A daemon pod changed: its node's label and engine gates now, the status soon."""
+        if node:
+            await self.node_label(state, node, namespace, cache_name)
+            for pod in state.engine_pods_on(namespace, node):
+                await self.engine_pod(state, namespace, pod.name, node)
+        self.request_status(state, namespace, cache_name)
+
+    def request_status(self, state: State, namespace: str, name: str) -> None:
+        """Have the cache's status written: now if none was lately, else once the interval ends.
+
+        However many reports change within an interval, one write carries them
+        all; `state` wraps the live indices, so that write reads the newest.
+        """
+        self._statuses.request((namespace, name), lambda: self.status(state, namespace, name))
+
+    async def flush(self) -> None:
+        """Wait until every coalesced write asked for is made (tests, shutdown)."""
+        while self._statuses.pending_any() or self._messages.pending_any():
+            await self._statuses.flush()
+            await self._messages.flush()
+
+    async def status(self, state: State, namespace: str, name: str) -> None:
+        """Write the cache's status if it differs from what stands."""
+        async with self.locks.get(("cache", namespace, name)):
+            cache = state.cache(namespace, name)
+            if cache is None or cache.deleting:
+                return
+            metrics.RECONCILES.labels("status").inc()
+            await self._write_status(cache, self._aggregate(state, cache))
+
+    async def engine_pod(
+        self, state: State, namespace: str, name: str, node: str | None,
+        exclude: str | None = None, now: bool = False,
+    ) -> None:
+        """Write the pod's gate condition if the decision differs from what it says.
+
+        A change of the message alone is coalesced per pod unless `now`.
+        """
+        async with self.locks.get(("pod", namespace, name)):
+            pod = state.engine_pod(namespace, name, node)
+            if pod is None or pod.terminating:
+                return
+            metrics.RECONCILES.labels("engine_pod").inc()
+            try:
+                decision = gate.gate_condition(pod.node, self._engine_verdicts(state, pod, exclude))
+            except Exception as exc:  # fail closed: an undecidable gate is a closed gate
+                log.exception("deciding the gate of pod %s/%s failed", namespace, name)
+                metrics.ERRORS.labels("engine_pod").inc()
+                decision = views.Condition(
+                    "False", EVALUATION_FAILED, f"{type(exc).__name__}: {exc}"
+                )
+            current = self.gates.current(pod.uid, pod.gate, pod.resource_version)
+            if current == decision:
+                return
+            if (not now and current is not None
+                    and (current.status, current.reason) == (decision.status, decision.reason)):
+                self._messages.request(
+                    (namespace, name),
+                    lambda: self.engine_pod(state, namespace, name, node, exclude, now=True),
+                )
+                return
+            cond: dict[str, Any] = {
+                "type": names.GATE_CONDITION,
+                "status": decision.status,
+                "reason": decision.reason,
+                "message": decision.message,
+            }
+            if current is None or current.status != decision.status:
+                cond["lastTransitionTime"] = rfc3339_now()
+            try:
+                await self.kube.set_pod_condition(namespace, name, cond)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+                metrics.ERRORS.labels("engine_pod").inc()
+                raise
+            self.gates.record(pod.uid, decision, pod.resource_version)
+            metrics.GATE_DECISIONS.labels(decision.status, decision.reason).inc()
+            if current is None or (current.status, current.reason) != (
+                decision.status, decision.reason
+            ):
+                self.kube.post_event(
+                    _pod_ref(pod), "Normal" if decision.status == "True" else "Warning",
+                    decision.reason, decision.message,
+                )
+
+    def forget_pod(self, uid: str) -> None:
+        """An engine pod is gone: nothing of it is kept."""
+        self.gates.forget(uid)
+
+    async def node_label(
+        self, state: State, node: str, namespace: str, name: str, exclude: str | None = None
+    ) -> None:
+        """Label `weightcache.dev/<namespace>.<name>=Ready` iff that cache is verified on `node`."""
+        label = names.node_label_name(namespace, name)
+        async with self.locks.get(("node", node)):
+            view = state.node(node)
+            if view is None:
+                return
+            metrics.RECONCILES.labels("node").inc()
+            cache = state.cache(namespace, name)
+            try:
+                ready = (
+                    cache is not None
+                    and not cache.deleting
+                    and cache.uid != exclude
+                    and self.verdict(state, cache, node).ok
+                )
+            except Exception:  # fail closed: no label without a verdict
+                log.exception("deciding the label of %s on node %s failed", label, node)
+                metrics.ERRORS.labels("node").inc()
+                ready = False
+            current = self.labels.current((node, label), label in view.ready_labels,
+                                          view.resource_version)
+            patch = nodes.label_change(label, ready, current)
+            if patch:
+                await self._patch_labels(node, patch)
+                self.labels.record((node, label), ready, view.resource_version)
+
+    async def cleanup(self, state: State, namespace: str, name: str, uid: str) -> None:
+        """Before a cache goes: drop its node labels and close the gates it held open.
+
+        The DaemonSet is left to the garbage collector through its owner reference.
+        """
+        for node in state.nodes_labelled(names.node_label_name(namespace, name)):
+            await self.node_label(state, node, namespace, name, exclude=uid)
+        for pod in state.engine_pods(namespace):
+            await self.engine_pod(state, namespace, pod.name, pod.node, exclude=uid)
+        metrics.forget_cache(namespace, name)
+        self.statuses.forget(uid)
+        self.announced.pop(uid, None)
+        for key in [k for k in self._judged if k[0] == uid]:
+            del self._judged[key]
+
+    async def orphan_labels(self, state: State) -> None:
+        """Labels of caches that no longer exist anywhere (e.g. a finalizer removed by hand)."""
+        existing = {names.node_label_name(c.namespace, c.name) for c in state.live_caches()}
+        for view in state.all_nodes():
+            stale = nodes.orphans(view.ready_labels, existing)
+            if stale:
+                async with self.locks.get(("node", view.name)):
+                    await self._patch_labels(view.name, nodes.label_patch(stale, frozenset()))
+                    for label in stale:
+                        self.labels.record((view.name, label), False, view.resource_version)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _aggregate(self, state: State, cache: views.CacheView) -> aggregate.Aggregate:
+        now = rfc3339_now()
+        old = self.statuses.current(cache.uid, cache.status, cache.resource_version)
+        parsed, rendered = self.parsed(cache), self.rendered(cache)
+        if isinstance(parsed, SpecError):
+            return aggregate.error_status(
+                cache.generation, old, aggregate.INVALID_SPEC, str(parsed), now
+            )
+        if isinstance(rendered, render.RenderError):
+            reason = (aggregate.POLICY_VIOLATION if isinstance(rendered, render.PolicyViolation)
+                      else aggregate.RENDER_FAILED)
+            return aggregate.error_status(cache.generation, old, reason, str(rendered), now)
+        spec, digest = parsed
+        scheduled = sorted({p.node for p in state.daemon_pods(cache) if p.node})
+        verdicts = {node: self.verdict(state, cache, node) for node in scheduled}
+        previous = self.announced.get(cache.uid)
+        if previous is None:
+            # First status since start: what the stored status lists was
+            # announced. A capped list leaves nodes out; of those nothing is
+            # known, so they are taken as they are and no event repeats.
+            previous = aggregate.listed_nodes(old)
+            if old.get("nodesOmitted"):
+                previous = {**{n: (v.ok, v.reason) for n, v in verdicts.items()}, **previous}
+        return aggregate.build_status(
+            spec=spec,
+            spec_hash=digest,
+            generation=cache.generation,
+            old_status=old,
+            daemonset=state.daemonset(cache),
+            verdicts=verdicts,
+            previous=previous,
+            node_label=names.node_label_key(cache.namespace, cache.name),
+            now=now,
+        )
+
+    async def _write_status(self, cache: views.CacheView, result: aggregate.Aggregate) -> None:
+        current = self.statuses.current(cache.uid, cache.status, cache.resource_version)
+        if result.status != current:
+            try:
+                await self.kube.replace_cache_status(cache.namespace, cache.name, result.status)
+            except ApiException as exc:
+                metrics.ERRORS.labels("cache").inc()
+                if exc.status == 404:
+                    return
+                # Retried like the DaemonSet apply, not after kopf's default minute.
+                message = f"writing status: {exc.status} {exc.reason}: {api_message(exc)}"
+                raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc
+            self.statuses.record(cache.uid, result.status, cache.resource_version)
+            self.announced[cache.uid] = {n: (v.ok, v.reason) for n, v in result.verdicts.items()}
+            for event in result.events:
+                self.kube.post_event(_cache_ref(cache), event.type, event.reason, event.message)
+        metrics.set_cache(
+            cache.namespace,
+            cache.name,
+            ready=result.status.get("readyNodes", 0),
+            desired=result.status.get("desiredNodes", 0),
+            resident=result.status.get("residentBytes", 0),
+        )
+
+    def _engine_verdicts(
+        self, state: State, pod: views.EnginePodView, exclude: str | None
+    ) -> dict[str, gate.Verdict]:
+        verdicts: dict[str, gate.Verdict] = {}
+        for cache in state.live_caches(pod.namespace, exclude=exclude):
+            parsed = self.parsed(cache)
+            selector = None if isinstance(parsed, SpecError) else parsed[0].engine.selector
+            if selector is None or not selector.matches(pod.labels):
+                continue
+            verdicts[cache.name] = (
+                self.verdict(state, cache, pod.node)
+                if pod.node
+                else gate.Verdict(False, gate.POD_NOT_SCHEDULED, "")
+            )
+        return verdicts
+
+    async def _patch_labels(self, node: str, patch: Mapping[str, str | None]) -> None:
+        if not patch:
+            return
+        try:
+            await self.kube.patch_node_labels(node, patch)
+        except ApiException as exc:
+            if exc.status == 404:
+                return
+            metrics.ERRORS.labels("node").inc()
+            raise
+        log.info("node %s labels: %s", node, dict(patch))
+
+
+def _parse(cache: views.CacheView) -> Parsed | SpecError:
+    try:
+        spec = parse_spec(cache.spec)
+    except SpecError as exc:
+        return exc
+    return spec, spec_hash(spec)
+
+
+def _memo(table: dict[tuple[str, int], T], cache: views.CacheView, build: Callable[[], T]) -> T:
+    key = (cache.uid, cache.generation)
+    if key not in table:
+        if len(table) >= MEMO_LIMIT:
+            table.clear()
+        table[key] = build()
+    return table[key]
+
+
+def _cache_ref(cache: views.CacheView) -> dict[str, Any]:
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": cache.name, "namespace": cache.namespace, "uid": cache.uid},
+    }
+
+
+def _pod_ref(pod: views.EnginePodView) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid},
+    }

@@ -1,0 +1,103 @@
+"""What the operator knows of the cluster: its watch indices, and the questions it asks them.
+
+kopf fills the indices (handlers.py) with small views (views.py); in tests
+they are plain dicts of lists. Nothing here writes or blocks.
+
+Daemon and engine pods are indexed by node, because one report changes one
+node: the pass it triggers asks for that node's pods, in constant time,
+whatever the size of the fleet. Questions about a whole cache or namespace
+(a status, a resync) scan the index's keys, which is linear but rare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import gate, names, views
+
+# kopf.Index is a mapping from key to a collection of values.
+Index = Mapping[Any, Iterable[Any]]
+
+
+@dataclass(frozen=True)
+class State:
+    caches: Index  # namespace -> CacheView
+    daemonsets: Index  # (namespace, cache) -> DaemonSetView
+    daemon_pods_index: Index  # (namespace, cache, node or None) -> DaemonPodView
+    engine_pods_index: Index  # (namespace, node or None) -> EnginePodView
+    nodes: Index  # node name -> NodeView
+
+    def cache(self, namespace: str, name: str) -> views.CacheView | None:
+        return next((c for c in self.caches.get(namespace, []) if c.name == name), None)
+
+    def live_caches(
+        self, namespace: str | None = None, exclude: str | None = None
+    ) -> list[views.CacheView]:
+        spaces = [namespace] if namespace is not None else list(self.caches)
+        return sorted(
+            (
+                c
+                for ns in spaces
+                for c in self.caches.get(ns, [])
+                if not c.deleting and c.uid != exclude
+            ),
+            key=lambda c: (c.namespace, c.name),
+        )
+
+    def daemonset(self, cache: views.CacheView) -> views.DaemonSetView | None:
+        """The cache's own DaemonSet: its name, owned by the cache (labels can be copied)."""
+        wanted = names.daemonset_name(cache.name)
+        return next(
+            (
+                d
+                for d in self.daemonsets.get((cache.namespace, cache.name), [])
+                if d.name == wanted and d.controller_uid == cache.uid
+            ),
+            None,
+        )
+
+    def daemon_pods(self, cache: views.CacheView) -> list[views.DaemonPodView]:
+        """Every daemon pod the cache's own DaemonSet made; look-alikes are ignored."""
+        ns, name = cache.namespace, cache.name
+        pods = [
+            p
+            for key in list(self.daemon_pods_index)
+            if key[0] == ns and key[1] == name
+            for p in self.daemon_pods_index.get(key, [])
+        ]
+        return gate.controlled_pods(pods, self.daemonset(cache))
+
+    def daemon_pods_on(self, cache: views.CacheView, node: str) -> list[views.DaemonPodView]:
+        """The cache's own daemon pods on one node."""
+        pods = self.daemon_pods_index.get((cache.namespace, cache.name, node), [])
+        return gate.controlled_pods(pods, self.daemonset(cache))
+
+    def engine_pod(self, namespace: str, name: str, node: str | None
+                   ) -> views.EnginePodView | None:
+        return next(
+            (p for p in self.engine_pods_index.get((namespace, node), []) if p.name == name), None
+        )
+
+    def engine_pods_on(self, namespace: str, node: str) -> list[views.EnginePodView]:
+        return list(self.engine_pods_index.get((namespace, node), []))
+
+    def engine_pods(self, namespace: str) -> list[views.EnginePodView]:
+        """Every gated engine pod of a namespace (a scan of the index)."""
+        return [
+            p
+            for key in list(self.engine_pods_index)
+            if key[0] == namespace
+            for p in self.engine_pods_index.get(key, [])
+        ]
+
+    def node(self, name: str) -> views.NodeView | None:
+        return next(iter(self.nodes.get(name, [])), None)
+
+    def all_nodes(self) -> list[views.NodeView]:
+        return [n for key in list(self.nodes) for n in self.nodes[key]]
+
+    def nodes_labelled(self, label: str) -> list[str]:
+        """Nodes carrying the Ready label `label` (a name part), by name."""
+        return sorted(n.name for n in self.all_nodes() if label in n.ready_labels)

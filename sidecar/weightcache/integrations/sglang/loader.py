@@ -1,0 +1,161 @@
+"""The weightcache SGLang model loader: a class SGLang's ``get_model_loader`` instantiates.
+
+``load_model`` attaches to this rank's daemon (or decides to load from disk),
+builds the model with parameters on meta and maps the daemon's tensors into
+it; ``preloaded_weights_bytes`` then tells SGLang's scheduler how many bytes
+were resident before its memory baseline, which it adds back through
+``ModelRunner.account_preloaded_weights`` (0 after a disk fallback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+from sglang.srt.configs.device_config import DeviceConfig
+from sglang.srt.configs.load_config import LoadConfig, LoadFormat
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed import parallel_state
+from sglang.srt.model_loader.loader import (
+    BaseModelLoader,
+    DefaultModelLoader,
+    _initialize_model,
+    post_load_weights,
+)
+from sglang.srt.model_loader.utils import set_default_torch_dtype
+from torch import nn
+
+from weightcache.client import meta_parameters
+from weightcache.devices import gpu_uuid
+from weightcache.integrations.loading import (
+    Attachment,
+    EngineTarget,
+    attachment,
+    expected_configs,
+    load_from_daemon,
+    local_model_dir,
+    still_mapped,
+)
+from weightcache.integrations.settings import AdapterSettings
+from weightcache.integrations.sglang import CONFIG_KEY
+from weightcache.protocol import ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+class WeightcacheModelLoader(BaseModelLoader):
+    """Weights mapped from this rank's weightcache daemon (SGLang ``load_format`` class)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        if load_config.weight_cache_mode != "off":
+            raise ValueError(
+                f"--weight-cache-mode {load_config.weight_cache_mode} selects SGLang's own IPC "
+                "loader, which would replace weightcache's; use --weight-cache-mode off"
+            )
+        extra = load_config.model_loader_extra_config or {}
+        self.settings = AdapterSettings.from_sources(extra.get(CONFIG_KEY), os.environ)
+        self._decided: Attachment | None = None
+
+    @property
+    def preloaded_weights_bytes(self) -> int:
+        """The daemon's bytes on this rank (0 after a disk fallback), read by SGLang's
+        ``ModelRunner.preloaded_weights_bytes`` once ``load_model`` has run."""
+        return 0 if self._decided is None else self._decided.preloaded_weights_bytes
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        local_model_dir(model_config.model_path)  # nothing to download: the daemon's directory
+
+    def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        decided = self.attachment(model_config, device_config)
+        if decided.attached is None:
+            return self._disk_loader().load_model(
+                model_config=model_config, device_config=device_config
+            )
+        device = _device(device_config)
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            model = _initialize_model(model_config, self.load_config, None)
+        tensors = decided.attached.tensors
+        # With tensor parallelism the daemon holds this rank's shards, which
+        # SGLang's weight loaders (written for whole checkpoint tensors) would
+        # shard again: only same-shaped parameters can be served then.
+        tp_size = _tp_size()
+        with device:
+            report = load_from_daemon(
+                model,
+                tensors,
+                device,
+                engine_load_weights=model.load_weights if tp_size == 1 else None,
+            )
+        DefaultModelLoader.postprocess_weights(model, device)
+        if not report.copied:
+            post_load_weights(model)  # model.load_weights runs it when it was called
+        replaced = still_mapped(model, report, tensors)
+        if replaced:
+            log.warning(
+                "weightcache: SGLang's post-processing replaced %d daemon-mapped tensor(s) with "
+                "its own copies (%s); they occupy engine memory twice",
+                len(replaced),
+                ", ".join(replaced[:5]),
+            )
+        log.info(
+            "weightcache: %d tensor(s) (%d bytes) mapped zero-copy over %s from daemon pid %d; "
+            "%d tensor(s) (%d bytes) copied into SGLang's own layout (fused parameters)",
+            len(report.mapped),
+            report.mapped_bytes,
+            decided.attached.transport,
+            decided.attached.daemon_pid,
+            len(report.copied),
+            report.copied_bytes,
+        )
+        return model.eval()
+
+    def attachment(self, model_config: ModelConfig, device_config: DeviceConfig) -> Attachment:
+        """This rank's attach decision (made once per process, then cached); load_model's
+        first step, after which ``preloaded_weights_bytes`` holds its bytes."""
+        if model_config.quantization is not None:
+            raise ValueError(
+                f"weightcache does not serve quantized models ({model_config.quantization!r}): "
+                "their post-processing re-lays the weights into engine memory"
+            )
+        device = _device(device_config)
+        tp_size = _tp_size()
+        tp_rank = self.load_config.tp_rank or 0
+        target = EngineTarget(
+            model_dir=local_model_dir(model_config.model_path),
+            dtype=model_config.dtype,
+            device=device,
+            shard=ShardSpec(
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                plan=self.settings.shard_plan or ("llama" if tp_size > 1 else None),
+            ),
+            revision=model_config.revision,
+        )
+        uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
+        socket = self.settings.socket_for(uuid, tp_size)
+        self._decided = attachment(self.settings, socket, expected_configs(target))
+        return self._decided
+
+    def _disk_loader(self) -> DefaultModelLoader:
+        return DefaultModelLoader(
+            dataclasses.replace(
+                self.load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={}
+            )
+        )
+
+
+def _device(device_config: DeviceConfig) -> torch.device:
+    device = torch.device(device_config.device)
+    if device.type == "cuda" and device.index is None:
+        index = device_config.gpu_id if device_config.gpu_id >= 0 else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+    return device
+
+
+def _tp_size() -> int:
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_world_size()
+    return 1

@@ -1,0 +1,180 @@
+"""The ``weightcache`` vLLM model loader (imported by :func:`..register`, never before).
+
+vLLM's worker asks the loader for ``get_external_weight_memory`` before its
+memory snapshot and takes those bytes off its budget (``request_memory``);
+``load_model`` then builds the model with parameters on meta and maps the
+daemon's tensors into it. Both go through one cached attach per process
+(:func:`weightcache.integrations.loading.attachment`), so the budget counts
+the daemon's bytes exactly when the weights come from it.
+
+The daemon holds checkpoint tensors, not vLLM's post-processed ones (unlike
+vLLM's own ``ipc_cache`` daemon), so ``process_weights_after_loading`` runs
+as after a disk load. Quantized models are refused: their post-processing
+re-lays weights into engine memory, which would hold them twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.distributed import parallel_state
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import (
+    initialize_model,
+    process_weights_after_loading,
+)
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from weightcache.client import meta_parameters
+from weightcache.devices import gpu_uuid
+from weightcache.integrations.loading import (
+    Attachment,
+    EngineTarget,
+    attachment,
+    expected_configs,
+    load_from_daemon,
+    local_model_dir,
+    still_mapped,
+)
+from weightcache.integrations.settings import AdapterSettings
+from weightcache.protocol import ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+class WeightcacheModelLoader(BaseModelLoader):
+    """``--load-format weightcache``: weights mapped from this rank's weightcache daemon."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        self.settings = AdapterSettings.from_sources(
+            load_config.model_loader_extra_config, os.environ
+        )
+
+    # ------------------------------------------------------------------ vLLM's hooks
+
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """The daemon's bytes on this rank, 0 when the load will fall back to disk."""
+        return self.attachment(vllm_config, vllm_config.model_config).preloaded_weights_bytes
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        local_model_dir(model_config.model)  # nothing to download: the daemon's directory
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """In-place reloads would write into the daemon's read-only memory: refused."""
+        raise RuntimeError(
+            "the weightcache load format maps the daemon's weights read-only; reloading "
+            "weights in place is not supported (restart the engine, or use another load format)"
+        )
+
+    def load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> nn.Module:
+        if model_config is not vllm_config.model_config:
+            # A speculative draft: the daemon serves the target model only.
+            log.info("weightcache: the draft model %s loads from disk", model_config.model)
+            return self._disk_loader().load_model(vllm_config, model_config, prefix)
+        decided = self.attachment(vllm_config, model_config)
+        if decided.attached is None:
+            return self._disk_loader().load_model(vllm_config, model_config, prefix)
+        device = _load_device(vllm_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            model = initialize_model(
+                vllm_config=vllm_config, model_config=model_config, prefix=prefix
+            )
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if tp_size > 1:
+            # The daemon holds this rank's shards; vLLM's weight loaders then skip
+            # their own narrowing (the flag pre-sharded checkpoints use).
+            for param in model.parameters():
+                param.is_sharded_weight = True
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        name_map = mapper.map_name if mapper is not None else None
+        tensors = decided.attached.tensors
+        with device:
+            report = load_from_daemon(
+                model, tensors, device, name_map=name_map, engine_load_weights=model.load_weights
+            )
+        process_weights_after_loading(model, model_config, device)
+        replaced = still_mapped(model, report, tensors, name_map)
+        if replaced:
+            log.warning(
+                "weightcache: vLLM's post-processing replaced %d daemon-mapped tensor(s) with "
+                "its own copies (%s); they occupy engine memory twice",
+                len(replaced),
+                ", ".join(replaced[:5]),
+            )
+        log.info(
+            "weightcache: %d tensor(s) (%d bytes) mapped zero-copy over %s from daemon pid %d; "
+            "%d tensor(s) (%d bytes) copied into vLLM's own layout (fused parameters)",
+            len(report.mapped),
+            report.mapped_bytes,
+            decided.attached.transport,
+            decided.attached.daemon_pid,
+            len(report.copied),
+            report.copied_bytes,
+        )
+        return model.eval()
+
+    # ------------------------------------------------------------------ ours
+
+    def attachment(self, vllm_config: VllmConfig, model_config: ModelConfig) -> Attachment:
+        """This rank's attach decision (made once per process, then cached)."""
+        _check_supported(vllm_config, model_config)
+        device = _load_device(vllm_config, self.load_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        target = EngineTarget(
+            model_dir=local_model_dir(model_config.model),
+            dtype=model_config.dtype,
+            device=device,
+            shard=ShardSpec(
+                tp_size=tp_size,
+                tp_rank=_tp_rank(tp_size),
+                plan=self.settings.shard_plan or ("llama" if tp_size > 1 else None),
+            ),
+            revision=model_config.revision,
+        )
+        uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
+        socket = self.settings.socket_for(uuid, tp_size)
+        return attachment(self.settings, socket, expected_configs(target))
+
+    def _disk_loader(self) -> DefaultModelLoader:
+        return DefaultModelLoader(
+            dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
+        )
+
+
+def _check_supported(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
+    """Configurations whose weights the daemon's checkpoint tensors cannot serve."""
+    problems = []
+    if model_config.quantization is not None:
+        problems.append(
+            f"quantization {model_config.quantization!r} (its post-processing re-lays the "
+            "weights into engine memory)"
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism (the daemon shards by tensor-parallel rank only)")
+    if problems:
+        raise ValueError("the weightcache load format does not support " + "; ".join(problems))
+
+
+def _load_device(vllm_config: VllmConfig, load_config: LoadConfig) -> torch.device:
+    device = torch.device(load_config.device or vllm_config.device_config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _tp_rank(tp_size: int) -> int:
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    if tp_size > 1:
+        raise RuntimeError("tensor-parallel rank asked before vLLM initialised its groups")
+    return 0

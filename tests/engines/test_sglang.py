@@ -1,0 +1,161 @@
+"""weightcache.integrations.sglang against the real, pinned SGLang (its own venv, CPU).
+
+SGLang's plugin loader, ``get_model_loader``, ``LoadConfig``, ``ModelConfig``,
+``ServerArgs`` and ``ModelRunner``'s preloaded-bytes accounting are the
+package's own; the daemons are real (memfd, MiniLM). SGLang's scheduler and
+CUDA model runner cannot start without a GPU: their two accounting methods
+run here on a ``ModelRunner`` made without its (GPU) constructor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.engines.enginekit import GiB, require_engine
+
+require_engine("sglang")
+
+from sglang.srt.configs.device_config import DeviceConfig  # noqa: E402
+from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sglang.srt.model_loader.loader import get_model_loader  # noqa: E402
+from sglang.srt.plugins import (  # noqa: E402
+    GENERAL_PLUGINS_GROUP,
+    load_plugins,
+    load_plugins_by_group,
+)
+
+import weightcache.integrations.sglang as adapter  # noqa: E402
+from weightcache.client import ConfigMismatch  # noqa: E402
+from weightcache.integrations.sglang.launch import configure, split_argv  # noqa: E402
+from weightcache.integrations.sglang.loader import WeightcacheModelLoader  # noqa: E402
+
+CPU = DeviceConfig("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_config(minilm_dir: Path) -> ModelConfig:
+    return ModelConfig(model_path=str(minilm_dir), dtype="float32")
+
+
+def loader_for(settings: dict) -> WeightcacheModelLoader:
+    """What SGLang's lookup gives for the launcher's route: the class as load_format."""
+    return get_model_loader(
+        LoadConfig(
+            load_format=WeightcacheModelLoader, model_loader_extra_config={"weightcache": settings}
+        )
+    )
+
+
+def runner_with(loader) -> ModelRunner:
+    """SGLang's ModelRunner without its GPU constructor: its accounting methods are real."""
+    runner = object.__new__(ModelRunner)
+    runner.loader = loader
+    return runner
+
+
+def test_the_entry_point_is_discovered_by_sglangs_plugin_loader() -> None:
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    func, dist = plugins["weightcache"]
+    assert func is adapter.register and dist == "weightcache"
+
+
+def test_sglangs_loader_lookup_returns_ours(minilm_dir) -> None:
+    load_plugins()  # every SGLang process does this; applies our get_model_loader hook
+    extra = {"weightcache": {"socket": "/tmp/d.sock", "wait_ready_s": "5"}}
+    by_extra_config = get_model_loader(LoadConfig(model_loader_extra_config=json.dumps(extra)))
+    assert type(by_extra_config) is WeightcacheModelLoader
+    assert by_extra_config.settings.wait_ready_s == 5.0
+    assert type(loader_for({"socket": "/tmp/d.sock"})) is WeightcacheModelLoader
+    # Without our key SGLang's own choice stands.
+    assert type(get_model_loader(LoadConfig())).__name__ == "DefaultModelLoader"
+
+
+def test_sglangs_own_weight_cache_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="--weight-cache-mode client selects SGLang's own"):
+        get_model_loader(
+            LoadConfig(
+                load_format=WeightcacheModelLoader,
+                model_loader_extra_config={"weightcache": {"socket": "/tmp/d.sock"}},
+                weight_cache_mode="client",
+            )
+        )
+
+
+def test_preloaded_weights_bytes_are_the_running_daemons(memfd_daemon, model_config) -> None:
+    loader = loader_for({"socket": memfd_daemon.socket})
+    assert loader.preloaded_weights_bytes == 0  # nothing decided before load_model
+    decided = loader.attachment(model_config, CPU)
+    assert decided.attached.transport == "memfd"
+    expected = memfd_daemon.status().preloaded_weights_bytes
+    assert loader.preloaded_weights_bytes == expected > 0
+    assert runner_with(loader).preloaded_weights_bytes == expected  # SGLang's own property
+
+
+def test_preloaded_weights_bytes_are_zero_when_falling_back(model_config) -> None:
+    loader = loader_for({"socket": "/tmp/wc-no-daemon-here/cpu.sock", "fallback": True})
+    assert loader.attachment(model_config, CPU).attached is None
+    assert runner_with(loader).preloaded_weights_bytes == 0
+
+
+def test_account_preloaded_weights_gives_the_cold_start_baseline(memfd_daemon, model_config):
+    loader = loader_for({"socket": memfd_daemon.socket})
+    loader.attachment(model_config, CPU)
+    runner = runner_with(loader)
+    weights = runner.preloaded_weights_bytes
+    cold_free = 70 * GiB  # what a cold start samples before loading
+    runner.pre_model_load_memory = (cold_free - weights) / GiB  # sampled with weights resident
+    runner.account_preloaded_weights(weights)
+    assert runner.pre_model_load_memory == cold_free / GiB
+
+    fallback = runner_with(loader_for({"socket": "/tmp/wc-absent.sock", "fallback": True}))
+    fallback.loader.attachment(model_config, CPU)
+    fallback.pre_model_load_memory = cold_free / GiB
+    fallback.account_preloaded_weights(fallback.preloaded_weights_bytes)
+    assert fallback.pre_model_load_memory == cold_free / GiB
+
+
+def test_a_mismatched_daemon_is_refused_naming_the_field(float16_daemon, model_config) -> None:
+    with pytest.raises(ConfigMismatch) as caught:
+        loader_for({"socket": float16_daemon.socket}).attachment(model_config, CPU)
+    assert caught.value.fields == ["dtype"]
+    assert "dtype (engine expects 'float32')" in str(caught.value)
+    allowed = loader_for({"socket": float16_daemon.socket, "fallback": True})
+    assert allowed.attachment(model_config, CPU).attached is None
+    assert allowed.preloaded_weights_bytes == 0
+
+
+def test_the_launcher_points_sglangs_server_args_at_our_loader(minilm_dir) -> None:
+    from sglang.srt.server_args import prepare_server_args
+
+    settings, rest = split_argv(
+        ["--model-path", str(minilm_dir), "--weightcache-socket-dir", "/run/wc",
+         "--weightcache-cache", "ns.minilm", "--weightcache-fallback",
+         "--model-loader-extra-config", '{"weightcache": {"wait_ready_s": 9}}']
+    )  # fmt: skip
+    assert settings == {"socket_dir": "/run/wc", "cache": "ns.minilm", "fallback": True}
+    server_args = prepare_server_args(rest)
+    configure(server_args, settings, {})
+    assert server_args.load_format is WeightcacheModelLoader
+    loader = get_model_loader(
+        LoadConfig(
+            load_format=server_args.load_format,
+            model_loader_extra_config=server_args.model_loader_extra_config,
+        )
+    )
+    assert loader.settings.socket_dir == "/run/wc" and loader.settings.cache == "ns.minilm"
+    assert loader.settings.fallback is True and loader.settings.wait_ready_s == 9.0
+
+
+def test_the_launcher_refuses_sglangs_weight_cache_mode(minilm_dir) -> None:
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(
+        ["--model-path", str(minilm_dir), "--weight-cache-mode", "client"]
+    )
+    with pytest.raises(SystemExit, match="--weight-cache-mode client"):
+        configure(server_args, {"socket": "/tmp/d.sock"}, {})

@@ -1,0 +1,224 @@
+"""weightcache.integrations.vllm against the real, pinned vLLM (its own venv, CPU platform).
+
+vLLM's plugin loader, loader registry, ``EngineArgs`` -> ``VllmConfig`` and
+``request_memory`` are the package's own; the daemons are real
+(``weightcache-sidecar serve`` on memfd, MiniLM). Without a GPU, vLLM's
+worker (which calls these hooks at start-up) and ``load_model`` (vLLM's
+CUDA model classes) cannot run here: tests/gpu/test_engine_adapters_gpu.py
+runs the shared attach-and-load path on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.engines.enginekit import GiB, require_engine
+
+require_engine("vllm")
+# No CUDA here: vLLM's own switch selects its CPU platform (the daemons are CPU/memfd).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from vllm.config import CacheConfig  # noqa: E402
+from vllm.config.load import LoadConfig  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
+from vllm.plugins import (  # noqa: E402
+    DEFAULT_PLUGINS_GROUP,
+    load_general_plugins,
+    load_plugins_by_group,
+)
+from vllm.utils.mem_utils import MemorySnapshot  # noqa: E402
+from vllm.v1.worker.utils import request_memory  # noqa: E402
+
+import weightcache.integrations.vllm as adapter  # noqa: E402
+from weightcache.client import ConfigMismatch  # noqa: E402
+from weightcache.integrations.loading import DaemonUnavailable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loader_class():
+    load_general_plugins()  # what every vLLM process does first
+    from weightcache.integrations.vllm.loader import WeightcacheModelLoader
+
+    return WeightcacheModelLoader
+
+
+@pytest.fixture(scope="module")
+def vllm_config(minilm_dir: Path, loader_class):
+    """vLLM's own config for MiniLM, float32, with the weightcache load format."""
+    args = EngineArgs(
+        model=str(minilm_dir),
+        dtype="float32",
+        load_format="weightcache",
+        model_loader_extra_config={"socket": "/tmp/unused.sock"},
+    )
+    return args.create_engine_config()
+
+
+def loader_for(extra: dict):
+    """The loader vLLM's own lookup gives for ``--load-format weightcache`` and ``extra``."""
+    return get_model_loader(LoadConfig(load_format="weightcache", model_loader_extra_config=extra))
+
+
+def test_the_entry_point_is_discovered_by_vllms_plugin_loader() -> None:
+    plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert plugins["weightcache"] is adapter.register
+
+
+def test_vllms_loader_lookup_returns_ours_for_the_format_name(loader_class) -> None:
+    loader = loader_for({"socket": "/tmp/d.sock", "wait_ready_s": 7, "fallback": True})
+    assert type(loader) is loader_class
+    assert loader.settings.socket == "/tmp/d.sock"
+    assert loader.settings.wait_ready_s == 7.0 and loader.settings.fallback is True
+    adapter.register()  # idempotent: a second call registers nothing new
+    assert type(loader_for({"socket": "/tmp/d.sock"})) is loader_class
+
+
+def test_bad_loader_config_is_refused_by_name(loader_class) -> None:
+    with pytest.raises(ValueError, match=r"unknown weightcache loader config key\(s\) \['sock'\]"):
+        loader_for({"sock": "/tmp/d.sock"})
+
+
+def test_external_weight_memory_is_the_running_daemons_bytes(memfd_daemon, vllm_config) -> None:
+    loader = loader_for({"socket": memfd_daemon.socket})
+    external = loader.get_external_weight_memory(vllm_config)
+    assert external == memfd_daemon.status().preloaded_weights_bytes > 0
+    decided = loader.attachment(vllm_config, vllm_config.model_config)
+    assert decided.attached.transport == "memfd"
+    # A second loader in the same worker (vLLM makes a new one for load_model) sees the same.
+    assert (
+        loader_for({"socket": memfd_daemon.socket}).attachment(
+            vllm_config, vllm_config.model_config
+        )
+        is decided
+    )
+
+
+def test_external_weight_memory_is_zero_when_falling_back(vllm_config) -> None:
+    absent = "/tmp/wc-no-daemon-here/cpu.sock"
+    loader = loader_for({"socket": absent, "fallback": True})
+    assert loader.get_external_weight_memory(vllm_config) == 0
+    with pytest.raises(DaemonUnavailable, match="no usable weightcache daemon"):
+        loader_for({"socket": absent, "wait_ready_s": 0}).get_external_weight_memory(vllm_config)
+
+
+def test_request_memory_gives_the_cold_start_budget(memfd_daemon, vllm_config) -> None:
+    """vLLM's request_memory with the daemon's bytes leaves the engine what a cold start
+    leaves for everything but its weights."""
+    weights = loader_for({"socket": memfd_daemon.socket}).get_external_weight_memory(vllm_config)
+    cache = CacheConfig(gpu_memory_utilization=0.9)
+    total, free_cold = 80 * GiB, 79 * GiB
+
+    def snapshot(free: int) -> MemorySnapshot:
+        return MemorySnapshot(
+            device="cpu", auto_measure=False, total_memory=total, free_memory=free
+        )
+
+    cold = request_memory(snapshot(free_cold), cache, 0)  # then loads `weights` itself
+    warm = request_memory(snapshot(free_cold - weights), cache, weights)  # weights resident
+    assert warm == cold - weights
+    # Disk fallback: 0 external bytes, the engine's budget is a cold start's.
+    fallback = loader_for({"socket": "/tmp/wc-absent.sock", "fallback": True})
+    assert (
+        request_memory(snapshot(free_cold), cache, fallback.get_external_weight_memory(vllm_config))
+        == cold
+    )
+
+
+def test_a_mismatched_daemon_is_refused_naming_the_field(float16_daemon, vllm_config) -> None:
+    with pytest.raises(ConfigMismatch) as caught:
+        loader_for({"socket": float16_daemon.socket}).get_external_weight_memory(vllm_config)
+    assert caught.value.fields == ["dtype"]
+    assert "dtype (engine expects 'float32')" in str(caught.value)
+    allowed = loader_for({"socket": float16_daemon.socket, "fallback": True})
+    assert allowed.get_external_weight_memory(vllm_config) == 0
+
+
+def test_quantized_models_are_refused(memfd_daemon, vllm_config) -> None:
+    import copy
+
+    quantized = copy.copy(vllm_config.model_config)
+    quantized.quantization = "fp8"
+    with pytest.raises(ValueError, match="does not support quantization 'fp8'"):
+        loader_for({"socket": memfd_daemon.socket}).attachment(vllm_config, quantized)
+
+
+@pytest.fixture(scope="module")
+def vllm_groups(vllm_config):
+    """vLLM's process groups for one CPU rank (gloo), as a worker sets them up."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    from tests.unit.wc_harness import free_port
+
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def fresh_config(minilm_dir: Path, **load):
+    # vLLM registers each attention layer in its config: one config per model built.
+    return EngineArgs(model=str(minilm_dir), dtype="float32", **load).create_engine_config()
+
+
+def test_load_model_equals_vllms_own_disk_load_sharing_the_daemons_memory(
+    memfd_daemon, minilm_dir, vllm_groups
+) -> None:
+    """vLLM's own BertModel (CPU platform) through our loader: every parameter equals
+    vLLM's DefaultModelLoader's bit for bit; unfused ones are the daemon's memory,
+    fused ones (qkv_proj) were filled by vLLM's own weight loaders from it."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    extra = {"socket": memfd_daemon.socket}
+    ours_config = fresh_config(
+        minilm_dir, load_format="weightcache", model_loader_extra_config=extra
+    )
+    with set_current_vllm_config(ours_config):
+        loader = get_model_loader(ours_config.load_config)
+        external = loader.get_external_weight_memory(ours_config)
+        model = loader.load_model(ours_config, ours_config.model_config)
+    cold_config = fresh_config(minilm_dir)
+    with set_current_vllm_config(cold_config):
+        cold = get_model_loader(cold_config.load_config).load_model(
+            cold_config, cold_config.model_config
+        )
+
+    ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
+    assert sorted(ours) == sorted(theirs)
+    assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
+    attached = loader.attachment(ours_config, ours_config.model_config).attached
+    assert external == attached.preloaded_weights_bytes
+    daemon_memory = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in attached._memory.buffers]
+
+    def in_daemon(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in daemon_memory)
+
+    shared = sorted(n for n, p in ours.items() if in_daemon(p))
+    copied = sorted(n for n, p in ours.items() if not in_daemon(p))
+    # vLLM fuses query/key/value into qkv_proj and pads vocabularies to multiples of 64
+    # (30522 -> 30528 words, 2 -> 64 token types): those it fills itself, the rest is mapped.
+    fused = [f"model.encoder.layer.{i}.attention.self.qkv_proj.{w}" for i in range(6)
+             for w in ("bias", "weight")]  # fmt: skip
+    padded = ["model.embeddings.token_type_embeddings.weight",
+              "model.embeddings.word_embeddings.weight"]  # fmt: skip
+    assert copied == sorted(fused + padded)
+    assert "model.encoder.layer.0.attention.output.dense.weight" in shared  # renamed: model.*
+    assert len(shared) == len(ours) - len(copied) == 63

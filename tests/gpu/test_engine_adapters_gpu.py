@@ -1,0 +1,132 @@
+"""Issue 17 on a GPU: the engine adapters' shared attach-and-load path, Llama, both GPU transports.
+
+Real vLLM/SGLang cannot be carried to the GPU machine (their wheels exceed
+the transfer limit), so this runs what both adapters share
+(weightcache.integrations: settings -> per-GPU socket -> expected CacheConfig
+-> one attach decision -> zero-copy load) through a transformers Llama built
+with parameters on meta, against a daemon pinned by GPU UUID, and compares
+logits with a cold load bit for bit. The memfd case runs the same code on CPU
+(so it also runs where there is no GPU).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu.conftest import DaemonProcess, llama_config
+from weightcache.client import daemon_status, meta_parameters
+from weightcache.integrations import loading
+from weightcache.integrations.loading import (
+    EngineTarget,
+    attachment,
+    expected_configs,
+    load_from_daemon,
+    still_mapped,
+)
+from weightcache.integrations.settings import AdapterSettings
+
+MiB = 1 << 20
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CASES = [
+    pytest.param("cuda", "vmm_fd", marks=[pytest.mark.gpu, needs_cuda]),
+    pytest.param("cuda", "torch_ipc", marks=[pytest.mark.gpu, needs_cuda]),
+    pytest.param("cpu", "memfd"),
+]
+
+
+def free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def llama_logits(model, device: torch.device) -> torch.Tensor:
+    tokens = torch.arange(64, device=device).reshape(2, 32) * 37 % 8192
+    with torch.inference_mode():
+        return model(tokens).logits
+
+
+@pytest.fixture
+def run_dir():
+    # pytest's tmp paths are too long for a socket address with a GPU UUID in it.
+    path = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(("device_type", "transport"), CASES)
+def test_adapter_path_maps_llama_bit_equal_to_a_cold_load(
+    device_type, transport, tied, run_dir, tmp_path
+):
+    from transformers import LlamaForCausalLM
+
+    from weightcache.devices import gpu_uuid
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    uuid = gpu_uuid(0) if device_type == "cuda" else None
+    config = llama_config(tied)
+    checkpoint = tmp_path / "llama"
+    torch.manual_seed(2)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(checkpoint)
+
+    where = ["--gpu-uuid", uuid] if uuid else ["--device", "cpu"]
+    log = tmp_path / "daemon.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(checkpoint),
+         "--socket-dir", str(run_dir), "--cache", "ns.llama", *where,
+         "--transport", transport, "--http-address", "none"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    daemon = DaemonProcess("", proc, log)
+    try:
+        # What an engine rank does, from its loader config: the daemon may still be loading.
+        settings = AdapterSettings.from_sources(
+            {"socket_dir": str(run_dir), "cache": "ns.llama", "transports": [transport],
+             "wait_ready_s": 120},
+            {},
+        )  # fmt: skip
+        socket = settings.socket_for(uuid)
+        leaf = f"gpu-{uuid}.sock" if uuid else "cpu.sock"
+        assert socket == str(run_dir / "ns.llama" / leaf)
+        target = EngineTarget(model_dir=checkpoint, dtype=torch.bfloat16, device=device)
+        try:
+            decided = attachment(settings, socket, expected_configs(target))
+        except Exception as exc:
+            raise AssertionError(f"attach failed: {exc}\ndaemon log:\n{log.read_text()}") from exc
+        attached = decided.attached
+        assert attached is not None and attached.transport == transport
+        status = daemon_status(socket)
+        assert decided.preloaded_weights_bytes == status.preloaded_weights_bytes > 0
+        assert status.gpu == (uuid or "cpu")
+
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with device, meta_parameters():
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        before = free_bytes(device)
+        report = load_from_daemon(model, attached.tensors, device)
+        after = free_bytes(device)
+        if before is not None:
+            assert abs(before - after) < 2 * MiB, f"load changed free memory by {before - after}"
+        assert report.copied == [] and report.unused == []
+        assert still_mapped(model, report, attached.tensors) == []
+        if tied:
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+
+        cold = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
+        assert torch.equal(llama_logits(model.eval(), device), llama_logits(cold.eval(), device))
+        del model, cold
+    finally:
+        loading.forget_attachments()
+        daemon.stop()

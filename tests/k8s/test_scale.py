@@ -1,0 +1,67 @@
+"""Issue 19, the quick version: the scale harness's waves on a fleet of 10 kwok GPU nodes.
+
+The same harness as `python -m benchmarks.run --suite scale` (benchmarks/scale.py):
+a control plane of its own, the operator as a process under its ServiceAccount,
+the cache's DaemonSet on every node, one gated engine pod per node, and the
+daemons' reports written by the real reporter functions under bound daemon
+tokens through the chart's report guard. After each wave every engine gate and
+node label must be what the reports justify (the harness waits, bounded, and
+says what was still wrong), and the operator's writes, counted by the apiserver,
+must stay within a constant per change. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import scale
+
+pytestmark = pytest.mark.k8s
+
+NODES = 10
+# A gate, a label and a share of a coalesced status per change, and events for
+# the transitions they make; the constant covers a wave's fixed costs.
+WRITES_PER_CHANGE = 4
+FIXED_WRITES = 3 * NODES
+
+
+@pytest.fixture(scope="module")
+def waves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    options = scale.Options(nodes=NODES, ready_seconds=5.0, wave_timeout=300.0,
+                            quiet_seconds=5.0, stop_on_timeout=False)
+    result = scale.run(options, Path(tmp_path_factory.mktemp("scale")))
+    return {w["wave"]: w for w in result["waves"]}
+
+
+def test_every_wave_ran(waves: dict[str, dict[str, Any]]) -> None:
+    assert list(waves) == ["start", "install", "loading", "ready", "degrade", "spec"]
+
+
+@pytest.mark.parametrize("wave", ["start", "install", "loading", "ready", "degrade", "spec"])
+def test_every_gate_and_label_is_right_after_the_wave(
+    waves: dict[str, dict[str, Any]], wave: str
+) -> None:
+    record = waves[wave]
+    assert record["converged"], record.get("wrong")
+
+
+@pytest.mark.parametrize("wave", ["loading", "ready", "degrade", "spec"])
+def test_writes_per_change_are_bounded_by_a_constant(
+    waves: dict[str, dict[str, Any]], wave: str
+) -> None:
+    record = waves[wave]
+    changes = record["report_writes"] + record["other_changes"]
+    writes = record["operator"]["writes"]
+    assert changes > 0
+    assert writes <= WRITES_PER_CHANGE * changes + FIXED_WRITES, record["operator"]["requests"]
+    # Every report the harness wrote reached the apiserver as the daemon's own write.
+    assert record["daemon_requests"].get("patch pods", 0) >= record["report_writes"]
+
+
+def test_a_degraded_node_is_named_in_the_status(waves: dict[str, dict[str, Any]]) -> None:
+    record = waves["degrade"]
+    assert record["nodes_changed"] == 3
+    assert record["status_ready"] == f"{NODES - 3}/{NODES}"

@@ -1,0 +1,97 @@
+"""The cache policy: what a WeightCache may ask of a node, parsed and checked (pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightcache_operator.policy import (
+    POLICY_ENV,
+    HostPaths,
+    Policy,
+    PolicyError,
+    image_allowed,
+    path_within,
+    policy_from_env,
+)
+
+
+def test_no_policy_allows_nothing() -> None:
+    policy = policy_from_env({})
+    assert policy.allowed_host_paths == HostPaths((), ())
+    assert policy.setup_image is None
+
+
+def test_policy_from_the_charts_json() -> None:
+    raw = {
+        "setupImage": "op:1", "sidecarImage": "side:1", "daemonServiceAccount": "d",
+        "allowedHostPaths": {"socketDirs": ["/run/wc"], "modelDirs": ["/models"]},
+        "allowedSidecarImagePrefixes": ["reg.example.com/"], "allowedTransports": ["vmm_fd"],
+    }
+    policy = policy_from_env({POLICY_ENV: json.dumps(raw)})
+    assert policy == Policy(
+        setup_image="op:1", sidecar_image="side:1", daemon_service_account="d",
+        allowed_host_paths=HostPaths(("/run/wc",), ("/models",)),
+        allowed_sidecar_image_prefixes=("reg.example.com/",), allowed_transports=("vmm_fd",),
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "what"),
+    [
+        ("{not json", "malformed"),
+        (json.dumps({"allowedHostPaths": {"socketDirs": ["relative/dir"]}}), "socketDirs"),
+        (json.dumps({"allowedHostPaths": {"sockets": ["/x"]}}), "sockets"),
+        (json.dumps({"allowedTransports": ["carrier-pigeon"]}), "carrier-pigeon"),
+        (json.dumps({"setupImage": ""}), "setupImage"),
+    ],
+)
+def test_a_malformed_policy_is_refused_naming_it(raw: str, what: str) -> None:
+    with pytest.raises(PolicyError, match=POLICY_ENV) as err:
+        policy_from_env({POLICY_ENV: raw})
+    assert what in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "allowed"),
+    [
+        ("/models", True),
+        ("/models/", True),
+        ("/models/llama", True),
+        ("/models/llama/v1/", True),
+        ("/modelsevil", False),
+        ("/models-evil/x", False),
+        ("/mod", False),
+        ("/", False),
+        ("/etc", False),
+    ],
+)
+def test_paths_match_at_segment_boundaries(path: str, allowed: bool) -> None:
+    assert path_within(path, ("/models", "/data/m/")) is allowed
+
+
+@pytest.mark.parametrize(
+    ("image", "allowed"),
+    [
+        ("registry.corp.example/x:1", True),
+        ("registry.corp.example/team/x@sha256:" + "a" * 64, True),
+        ("registry.corp.example:5000/x:1", True),
+        # The issue's bypass: a longer host that merely starts with the prefix.
+        ("registry.corp.example.evil.io/x:1", False),
+        ("registry.corp.exampleX/x:1", False),
+        ("other.example/registry.corp.example/x:1", False),
+        ("reg.example.com/wc/sidecar:1", True),
+        ("reg.example.com/wc-evil/sidecar:1", False),
+        ("reg.example.com/wc/", True),
+        ("docker.io/library/python:3.12", True),
+        ("docker.io/library/python-evil:3.12", False),
+    ],
+)
+def test_image_prefixes_match_at_registry_and_path_boundaries(image: str, allowed: bool) -> None:
+    prefixes = ("registry.corp.example", "reg.example.com/wc/", "docker.io/library/python")
+    assert image_allowed(image, prefixes) is allowed
+
+
+def test_no_prefixes_allow_any_image() -> None:
+    assert image_allowed("anything.example/x:1", ())

@@ -1,0 +1,478 @@
+"""The reconcile passes without a cluster: plain-dict indices in, recorded writes out.
+
+tests/k8s run the same passes under kopf against a real apiserver; here each
+rule of the passes is pinned on its own (what is written, when, and what is
+not written), including the failures a real apiserver produces rarely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from tests.unit.operator.builders import GIB, annotations, device_report
+from weightcache_operator import aggregate, gate, names, reconcile, render
+from weightcache_operator.policy import HostPaths, Policy
+from weightcache_operator.reconcile import Reconciler
+from weightcache_operator.spec import parse_spec, spec_hash
+from weightcache_operator.state import State
+from weightcache_operator.views import (
+    CacheView,
+    Condition,
+    DaemonPodView,
+    DaemonSetView,
+    EnginePodView,
+    NodeView,
+)
+
+NS, NAME, UID, NODE = "team", "wc", "cache-uid", "node-a"
+SPEC = {
+    "model": {"path": "/models/m"},
+    "device": "cpu",
+    "engine": {"selector": {"matchLabels": {"app": "engine"}}},
+}
+DIGEST = spec_hash(parse_spec(SPEC))
+LABEL = names.node_label_name(NS, NAME)
+POLICY = Policy(
+    setup_image="op:1", sidecar_image="side:1",
+    allowed_host_paths=HostPaths(("/var/run/weightcache",), ("/models",)),
+)
+
+
+class RecordingKube:
+    """The operator's writes, recorded; `refuse` makes one kind of write fail."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, Any]] = []
+        self.events: list[tuple[str, str]] = []
+        self.refuse: dict[str, int] = {}
+        self.conditions: dict[str, Condition] = {}
+
+    def _write(self, kind: str, what: Any) -> None:
+        if kind in self.refuse:
+            raise ApiException(status=self.refuse[kind], reason="Refused")
+        self.writes.append((kind, what))
+
+    async def apply_daemonset(self, manifest: Mapping[str, Any]) -> None:
+        self._write("daemonset", manifest["metadata"]["name"])
+
+    async def replace_cache_status(self, namespace: str, name: str,
+                                   status: Mapping[str, Any]) -> None:
+        self._write("status", dict(status))
+
+    async def set_pod_condition(self, namespace: str, name: str,
+                                condition: Mapping[str, Any]) -> None:
+        self._write("gate", (name, condition["status"], condition["reason"]))
+        self.conditions[name] = Condition(
+            condition["status"], condition["reason"], condition["message"])
+
+    async def patch_node_labels(self, node: str, labels: Mapping[str, str | None]) -> None:
+        self._write("labels", (node, dict(labels)))
+
+    def post_event(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None:
+        self.events.append((obj["kind"], reason))
+
+    def of(self, kind: str) -> list[Any]:
+        return [what for k, what in self.writes if k == kind]
+
+
+def cache(generation: int = 1, spec: dict | None = None, deleting: bool = False,
+          namespace: str = NS, status: Mapping[str, Any] | None = None,
+          version: str = "1") -> CacheView:
+    return CacheView(namespace, NAME, UID if namespace == NS else f"{namespace}-uid", generation,
+                     spec or SPEC, status or {}, deleting, version)
+
+
+def daemonset(render_hash: str | None = None, applied: int | None = 1) -> DaemonSetView:
+    return DaemonSetView(NS, names.daemonset_name(NAME), "ds-uid", UID, NAME, 1, 1, 1, 1,
+                         applied, render_hash)
+
+
+def daemon_pod(name: str = "wc-abc", controller: str | None = "ds-uid", ready: bool = True,
+               reports: Mapping[str, str] | None = None, node: str = NODE,
+               state: str = "Ready") -> DaemonPodView:
+    if reports is None:
+        reports = annotations(device_report("cpu", DIGEST, node, preloaded=GIB, expected=GIB,
+                                            state=state))
+    return DaemonPodView(NS, name, NAME, node, "Running", ready, False, dict(reports), DIGEST,
+                         "2026-01-01T00:00:00Z", controller)
+
+
+def engine(gate_now: Condition | None = None, name: str = "engine-1", node: str = NODE,
+           version: str = "1") -> EnginePodView:
+    return EnginePodView(NS, name, f"uid-{name}", {"app": "engine"}, node, gate_now, False,
+                         version)
+
+
+def state(caches: list[CacheView] | None = None, pods: list[DaemonPodView] | None = None,
+          ds: DaemonSetView | None = None, engines: list[EnginePodView] | None = None,
+          labels: frozenset[str] = frozenset()) -> State:
+    caches = [cache()] if caches is None else caches
+    by_ns: dict[str, list[CacheView]] = {}
+    for c in caches:
+        by_ns.setdefault(c.namespace, []).append(c)
+    # Keyed as handlers.py keys the kopf indices: pods by node.
+    by_node: dict[tuple[str, str, str | None], list[DaemonPodView]] = {}
+    for p in [daemon_pod()] if pods is None else pods:
+        by_node.setdefault((p.namespace, p.cache, p.node), []).append(p)
+    engines_by_node: dict[tuple[str, str | None], list[EnginePodView]] = {}
+    for e in [engine()] if engines is None else engines:
+        engines_by_node.setdefault((e.namespace, e.node), []).append(e)
+    return State(
+        caches=by_ns,
+        daemonsets={(NS, NAME): [ds or daemonset()]},
+        daemon_pods_index=by_node,
+        engine_pods_index=engines_by_node,
+        nodes={NODE: [NodeView(NODE, labels, "1")]},
+    )
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def kube() -> RecordingKube:
+    return RecordingKube()
+
+
+@pytest.fixture
+def reconciler(kube: RecordingKube) -> Reconciler:
+    return Reconciler(kube, POLICY, operator_uid=65532)
+
+
+def test_a_verified_node_opens_the_gate_labels_the_node_and_writes_status(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    run(reconciler.cache(state(), NS, NAME))
+    (status,) = kube.of("status")
+    assert (status["phase"], status["ready"], status["nodeLabel"]) == (
+        "Ready", "1/1", names.node_label_key(NS, NAME))
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: "Ready"})]
+    assert kube.of("gate") == [("engine-1", "True", gate.WEIGHTS_RESIDENT)]
+    assert ("Pod", gate.WEIGHTS_RESIDENT) in kube.events
+
+
+def test_nothing_is_written_twice(kube: RecordingKube, reconciler: Reconciler) -> None:
+    run(reconciler.cache(state(), NS, NAME))
+    written = len(kube.writes)
+    # The indices catch up with what was written: a second pass writes nothing.
+    caught_up = state(engines=[engine(kube.conditions["engine-1"])], labels=frozenset({LABEL}))
+    stored = CacheView(NS, NAME, UID, 1, SPEC, kube.of("status")[0], False)
+    caught_up = State({NS: [stored]}, caught_up.daemonsets, caught_up.daemon_pods_index,
+                      caught_up.engine_pods_index, caught_up.nodes)
+    run(reconciler.cache(caught_up, NS, NAME))
+    assert kube.writes[written:] == []
+
+
+def test_the_daemonset_is_rendered_once_per_generation_and_applied_only_when_stale(
+    kube: RecordingKube, reconciler: Reconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = render.render_daemonset
+    monkeypatch.setattr(render, "render_daemonset",
+                        lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    fresh = state(ds=daemonset(applied=None))
+    run(reconciler.apply_daemonset(fresh, cache()))
+    run(reconciler.cache(fresh, NS, NAME))
+    run(reconciler.apply_daemonset(fresh, cache()))
+    assert len(calls) == 1
+    assert kube.of("daemonset") == [names.daemonset_name(NAME)] * 2  # the index never caught up
+    manifest = reconciler.rendered(cache())
+    assert isinstance(manifest, dict)
+    current = daemonset(manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION], 1)
+    run(reconciler.apply_daemonset(state(ds=current), cache()))
+    assert len(kube.of("daemonset")) == 2
+    run(reconciler.apply_daemonset(state(ds=current), cache(generation=2)))
+    assert len(calls) == 2 and len(kube.of("daemonset")) == 3
+
+
+def test_a_refused_status_write_still_decides_gates_and_labels(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Once, a status the apiserver refused froze every gate of the cache."""
+    kube.refuse["status"] = 422
+    with pytest.raises(kopf.TemporaryError, match="writing status: 422"):
+        run(reconciler.cache(state(), NS, NAME))
+    assert kube.of("gate") == [("engine-1", "True", gate.WEIGHTS_RESIDENT)]
+    assert kube.of("labels")
+    # The daemon pod goes: the gate closes and the label goes, status writes still refused.
+    kube.writes.clear()
+    gone = state(pods=[], engines=[engine(Condition("True", gate.WEIGHTS_RESIDENT, ""))],
+                 labels=frozenset({LABEL}))
+    with pytest.raises(kopf.TemporaryError):
+        run(reconciler.cache(gone, NS, NAME))
+    assert kube.of("gate") == [("engine-1", "False", gate.NO_DAEMON_ON_NODE)]
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: None})]
+
+
+def test_a_gate_whose_decision_raises_is_closed(
+    kube: RecordingKube, reconciler: Reconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gate, "evaluate_node", broken)
+    opened = state(engines=[engine(Condition("True", gate.WEIGHTS_RESIDENT, ""))],
+                   labels=frozenset({LABEL}))
+    run(reconciler.engine_pod(opened, NS, "engine-1", NODE))
+    run(reconciler.node_label(opened, NODE, NS, NAME))
+    assert kube.of("gate") == [("engine-1", "False", reconcile.EVALUATION_FAILED)]
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: None})]
+
+
+def test_look_alike_pods_and_foreign_daemonsets_count_for_nothing(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    impostor = daemon_pod("impostor", controller="someone-else")
+    run(reconciler.cache(state(pods=[impostor]), NS, NAME))
+    assert kube.of("gate") == [("engine-1", "False", gate.NO_DAEMON_ON_NODE)]
+    kube.writes.clear()
+    # A DaemonSet with the right labels and name but not owned by the cache
+    # (judged by a fresh operator: this one remembers what it wrote).
+    foreign = DaemonSetView(NS, names.daemonset_name(NAME), "ds-uid", "other", NAME, 1, 1, 1, 1,
+                            1, "h")
+    run(Reconciler(kube, POLICY, operator_uid=65532).cache(state(ds=foreign), NS, NAME))
+    assert kube.of("gate") == [("engine-1", "False", gate.NO_DAEMON_ON_NODE)]
+    assert kube.of("labels") == []
+
+
+def test_a_same_named_cache_elsewhere_has_its_own_label(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    other = cache(namespace="other")
+    run(reconciler.cache(state(caches=[cache(), other]), "other", NAME))
+    # "other/wc" has no daemon pods: it labels nothing and never touches team/wc's label.
+    assert kube.of("labels") == []
+
+
+def test_a_policy_violation_is_reported_and_nothing_is_applied(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    bad = cache(spec={**SPEC, "socketDir": "/etc"})
+    run(reconciler.apply_daemonset(state(caches=[bad]), bad))
+    run(reconciler.cache(state(caches=[bad]), NS, NAME))
+    assert kube.of("daemonset") == []
+    (status,) = kube.of("status")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "PolicyViolation"
+    assert degraded["message"].startswith("spec.socketDir")
+    assert ("WeightCache", "PolicyViolation") in kube.events
+
+
+def test_cleanup_closes_gates_and_removes_labels(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    opened = state(engines=[engine(Condition("True", gate.WEIGHTS_RESIDENT, ""))],
+                   labels=frozenset({LABEL}))
+    run(reconciler.cleanup(opened, NS, NAME, UID))
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: None})]
+    assert kube.of("gate") == [("engine-1", "False", gate.NO_WEIGHTCACHE)]
+
+
+def test_orphan_labels_are_removed(kube: RecordingKube, reconciler: Reconciler) -> None:
+    stale = state(caches=[], labels=frozenset({LABEL, "gone.cache"}))
+    run(reconciler.orphan_labels(stale))
+    (change,) = kube.of("labels")
+    assert change == (NODE, {names.NODE_LABEL_PREFIX + "gone.cache": None,
+                             names.NODE_LABEL_PREFIX + LABEL: None})
+
+
+# --------------------------------------------------------------------------- a fleet
+
+
+def fleet(n: int) -> tuple[State, list[str]]:
+    """`n` nodes, each with a Ready daemon pod and an engine pod; nothing written yet."""
+    nodes = [f"node-{i:03d}" for i in range(n)]
+    return State(
+        caches={NS: [cache()]},
+        daemonsets={(NS, NAME): [daemonset()]},
+        daemon_pods_index={(NS, NAME, node): [daemon_pod(f"wc-{node}", node=node)]
+                           for node in nodes},
+        engine_pods_index={(NS, node): [engine(name=f"engine-{node}", node=node)]
+                           for node in nodes},
+        nodes={node: [NodeView(node, frozenset(), "1")] for node in nodes},
+    ), nodes
+
+
+def catch_up(st: State, kube: RecordingKube, version: str = "2") -> None:
+    """The indices show what was written, at a newer resourceVersion (the watches caught up)."""
+    st.caches[NS][0] = cache(status=kube.of("status")[-1], version=version)  # type: ignore[index]
+    for key, (e,) in list(st.engine_pods_index.items()):
+        st.engine_pods_index[key] = [  # type: ignore[index]
+            engine(kube.conditions.get(e.name), e.name, e.node, version)]
+    labelled = {node for node, patch in kube.of("labels")
+                if patch.get(names.NODE_LABEL_PREFIX + LABEL)}
+    for node in list(st.nodes):
+        st.nodes[node] = [NodeView(  # type: ignore[index]
+            node, frozenset({LABEL}) if node in labelled else frozenset(), version)]
+
+
+def loading(st: State, node: str) -> None:
+    """The node's daemon pod reports Loading: the index holds a new view of it."""
+    st.daemon_pods_index[(NS, NAME, node)] = [  # type: ignore[index]
+        daemon_pod(f"wc-{node}", node=node, state="Loading")]
+
+
+@pytest.mark.parametrize("size", [3, 120])
+def test_one_report_costs_the_same_work_and_writes_in_any_fleet(
+    kube: RecordingKube, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once, one report re-judged every node and rewrote every gate of the namespace."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0)
+    st, nodes = fleet(size)
+    run(reconciler.cache(st, NS, NAME))
+    catch_up(st, kube)
+    kube.writes.clear()
+    judged: list[str] = []
+    real = gate.evaluate_node
+    monkeypatch.setattr(gate, "evaluate_node",
+                        lambda spec, digest, pods: judged.extend(p.node for p in pods)
+                        or real(spec, digest, pods))
+    node = nodes[1]
+    loading(st, node)
+
+    async def report() -> None:
+        await reconciler.daemon_pod(st, NS, NAME, node)
+        await reconciler.flush()
+
+    run(report())
+    assert judged == [node]  # the status reuses every other node's verdict
+    assert kube.of("gate") == [(f"engine-{node}", "False", gate.DAEMON_NOT_READY)]
+    assert kube.of("labels") == [(node, {names.NODE_LABEL_PREFIX + LABEL: None})]
+    (status,) = kube.of("status")
+    assert status["ready"] == f"{size - 1}/{size}"
+
+
+def test_status_writes_are_coalesced(kube: RecordingKube) -> None:
+    """Once, each report wrote the whole status: a ready wave wrote it thousands of times."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0.01)
+    st, nodes = fleet(20)
+
+    async def wave() -> None:
+        reconciler.request_status(st, NS, NAME)
+        await asyncio.sleep(0)  # the first request is written at once
+        for node in nodes:
+            loading(st, node)
+            await reconciler.daemon_pod(st, NS, NAME, node)
+        await reconciler.flush()
+
+    run(wave())
+    first, last = kube.of("status")  # twenty changes in one trailing write
+    assert (first["readyNodes"], last["readyNodes"]) == (20, 0)
+
+
+def test_a_status_write_that_fails_is_retried(
+    kube: RecordingKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reconcile, "RETRY_SECONDS", 0)
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0)
+    kube.refuse["status"] = 500
+    st, _ = fleet(2)
+
+    async def refused_then_accepted() -> None:
+        reconciler.request_status(st, NS, NAME)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        del kube.refuse["status"]
+        await reconciler.flush()
+
+    run(refused_then_accepted())
+    assert [s["readyNodes"] for s in kube.of("status")] == [2]
+
+
+def test_a_lagging_index_repeats_no_write_but_an_edit_is_undone(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Once, every pass before the watch caught up wrote the same gate, label and status again."""
+    st = state()
+    run(reconciler.cache(st, NS, NAME))
+    assert len(kube.writes) == 3
+    run(reconciler.cache(st, NS, NAME))  # the indices still show version "1"
+    assert len(kube.writes) == 3
+    # Someone removes the label and closes the gate: the indices show newer versions.
+    st.nodes[NODE] = [NodeView(NODE, frozenset(), "7")]  # type: ignore[index]
+    st.engine_pods_index[(NS, NODE)] = [  # type: ignore[index]
+        engine(Condition("False", "Edited", ""), version="7")]
+    run(reconciler.cache(st, NS, NAME))
+    assert kube.of("labels")[-1] == (NODE, {names.NODE_LABEL_PREFIX + LABEL: "Ready"})
+    assert kube.of("gate")[-1] == ("engine-1", "True", gate.WEIGHTS_RESIDENT)
+    assert len(kube.of("status")) == 1
+
+
+def test_a_decision_reverted_before_the_index_caught_up_is_written(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """The index still shows the old value, but our write in flight says otherwise."""
+    closed = engine(Condition("False", gate.DAEMON_NOT_READY, "daemon pod wc-abc: no report yet"))
+    st = state(engines=[closed])
+    run(reconciler.engine_pod(st, NS, "engine-1", NODE))
+    assert kube.of("gate") == [("engine-1", "True", gate.WEIGHTS_RESIDENT)]
+    # The daemon pod goes before the watch shows the open gate: it closes again.
+    st.daemon_pods_index.clear()  # type: ignore[attr-defined]
+    run(reconciler.engine_pod(st, NS, "engine-1", NODE))
+    assert kube.of("gate")[-1] == ("engine-1", "False", gate.NO_DAEMON_ON_NODE)
+
+
+def test_node_events_are_posted_once_however_few_nodes_the_status_lists(
+    kube: RecordingKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once, every status write announced again each ready node the capped status left out."""
+    monkeypatch.setattr(aggregate, "MAX_STATUS_NODES", 2)
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0)
+    st, nodes = fleet(6)
+    run(reconciler.cache(st, NS, NAME))
+    catch_up(st, kube)
+    for node in nodes[:3]:
+        loading(st, node)
+        run(reconciler.daemon_pod(st, NS, NAME, node))
+        run(reconciler.flush())
+        catch_up(st, kube, version=f"v-{node}")
+    wc_events = [reason for kind, reason in kube.events if kind == "WeightCache"]
+    # The first status announced all six; none is announced again.
+    assert wc_events.count("NodeReady") == 6
+    assert wc_events.count(gate.DAEMON_NOT_READY) == 3
+
+
+@pytest.mark.parametrize("listed", [2, 200])
+def test_a_restarted_operator_announces_nothing_that_stands(
+    kube: RecordingKube, monkeypatch: pytest.MonkeyPatch, listed: int
+) -> None:
+    monkeypatch.setattr(aggregate, "MAX_STATUS_NODES", listed)
+    st, _ = fleet(4)
+    first = Reconciler(kube, POLICY, operator_uid=65532)
+    run(first.cache(st, NS, NAME))
+    catch_up(st, kube)
+    kube.events.clear()
+    run(Reconciler(kube, POLICY, operator_uid=65532).cache(st, NS, NAME))
+    assert kube.events == []
+
+
+def test_a_gate_message_alone_is_coalesced_but_opening_is_written_at_once(
+    kube: RecordingKube,
+) -> None:
+    """Once, each GPU of a loading node rewrote its engine's gate with a new message."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0.01)
+    waiting = engine(Condition("False", gate.DAEMON_NOT_READY, "daemon pod wc-abc: no report yet"))
+    st = state(engines=[waiting], pods=[daemon_pod(state="Loading")])
+
+    async def node_loads() -> None:
+        await reconciler.engine_pod(st, NS, "engine-1", NODE)
+        st.daemon_pods_index[(NS, NAME, NODE)] = [  # type: ignore[index]
+            daemon_pod(reports=annotations(device_report(
+                "cpu", DIGEST, NODE, state="Error", message="disk full")))]
+        await reconciler.engine_pod(st, NS, "engine-1", NODE)
+        await reconciler.flush()
+        assert kube.of("gate") == [("engine-1", "False", gate.DAEMON_NOT_READY)]
+        assert kube.conditions["engine-1"].message.endswith("cpu is Error: disk full")
+        st.daemon_pods_index[(NS, NAME, NODE)] = [daemon_pod()]  # type: ignore[index]
+        await reconciler.engine_pod(st, NS, "engine-1", NODE)
+        assert kube.of("gate")[-1] == ("engine-1", "True", gate.WEIGHTS_RESIDENT)
+
+    run(node_loads())
+    assert len(kube.of("gate")) == 2

@@ -1,0 +1,100 @@
+"""The MiniLM engine Deployment for the real node (`make demo-k8s`, tests/k8s/test_real_pods.py).
+
+docs/engine-pod.md's additions to an engine Deployment, with the image of
+examples/minilm-engine.Dockerfile: the readiness gate with `maxUnavailable:
+0`, the cache's socket directory mounted read-only and its `engines/`
+hand-back directory writable (re-adoption), a uid of the engine's own in the
+daemon's group, and the checkpoint mounted for the engine's bit-equality
+check against a plain load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GATE_CONDITION = "weightcache.dev/weights-resident"
+ENGINE_UID = 1000
+
+
+def engine_deployment(
+    *,
+    namespace: str,
+    name: str,
+    cache: str,
+    image: str,
+    node: str,
+    socket_root: Path,
+    model_dir: Path,
+    version: str,
+    daemon_gid: int,
+    replicas: int = 1,
+    uid: int = ENGINE_UID,
+) -> dict[str, Any]:
+    cache_dir = f"{namespace}.{cache}"
+    host_dir = socket_root / cache_dir
+    mount = f"/run/weightcache/{cache_dir}"
+    labels = {"app": name}
+    pod = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "readinessGates": [{"conditionType": GATE_CONDITION}],
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "runAsGroup": daemon_gid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "engine",
+                "image": image,
+                "imagePullPolicy": "Never",
+                "args": ["--model-dir", "/model", "--interval", "1", "--ready-file", "/tmp/ready"],
+                "env": [{"name": "WEIGHTCACHE_SOCKET", "value": f"{mount}/cpu.sock"}],
+                # Ready means attached with bit-equal outputs; the gate adds "weights verified".
+                "readinessProbe": {
+                    "exec": {"command": ["test", "-e", "/tmp/ready"]},
+                    "periodSeconds": 2,
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "resources": {
+                    "requests": {"cpu": "100m", "memory": "256Mi"},
+                    "limits": {"memory": "1536Mi"},
+                },
+                "volumeMounts": [
+                    {"name": "weightcache", "mountPath": mount, "readOnly": True},
+                    {"name": "weightcache-engines", "mountPath": f"{mount}/engines"},
+                    {"name": "model", "mountPath": "/model", "readOnly": True},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "weightcache", "hostPath": {"path": str(host_dir), "type": "Directory"}},
+            {
+                "name": "weightcache-engines",
+                "hostPath": {"path": str(host_dir / "engines"), "type": "Directory"},
+            },
+            {"name": "model", "hostPath": {"path": str(model_dir), "type": "Directory"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+        ],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": {**labels, "version": version}}, "spec": pod},
+        },
+    }
