@@ -143,7 +143,8 @@ def render_daemonset(
         },
         "spec": {
             "selector": {"matchLabels": selector_labels(cache.name)},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxUnavailable": spec.rollout.max_unavailable}},
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {

@@ -47,6 +47,9 @@ DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0
 QUANTITY_RE = re.compile(
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+# A DaemonSet's maxUnavailable as a percentage; a count is an int >= 1.
+PERCENT_RE = re.compile(r"^([1-9][0-9]?|100)%$")
+MAX_INT32 = 2**31 - 1
 RESOURCE_NAME_RE = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
@@ -59,6 +62,10 @@ GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS_PER_NODE)]
 PeerId = Annotated[int, msgspec.Meta(ge=1)]  # never 0: root as a peer would admit any root process
 PeerIds = Annotated[tuple[PeerId, ...], msgspec.Meta(max_length=MAX_PEER_IDS)]
 Quantity = str | int
+MaxUnavailable = (
+    Annotated[int, msgspec.Meta(ge=1, le=MAX_INT32)]
+    | Annotated[str, msgspec.Meta(pattern=PERCENT_RE.pattern)]
+)
 
 
 class SpecError(ValueError):
@@ -163,6 +170,12 @@ class EngineSpec(_Spec):
     expected_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
+class RolloutSpec(_Spec):
+    # Nodes whose daemons the DaemonSet replaces at once when the weights change: each
+    # replaced daemon reloads from disk, and an engine restarting on its node waits for it.
+    max_unavailable: MaxUnavailable = 1
+
+
 class WeightCacheSpec(_Spec):
     model: ModelSpec
     device: Device = "cuda"
@@ -173,6 +186,7 @@ class WeightCacheSpec(_Spec):
     placement: Placement = Placement()
     sidecar: SidecarSpec = SidecarSpec()
     engine: EngineSpec = EngineSpec()
+    rollout: RolloutSpec = RolloutSpec()
 
     @property
     def slots(self) -> int:

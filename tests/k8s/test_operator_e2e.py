@@ -202,6 +202,8 @@ def test_deleting_the_cache_cleans_up(scene: Scene, api: Api) -> None:
         ({"sidecar": {"allowedPeers": {"gids": [0]}}}, "spec.sidecar.allowedPeers.gids[0]"),
         # An empty selector would hold every gated pod of the namespace closed.
         ({"engine": {"selector": {}}}, "spec.engine.selector: empty"),
+        ({"rollout": {"maxUnavailable": 0}}, "spec.rollout.maxUnavailable"),
+        ({"rollout": {"maxUnavailable": "0%"}}, "spec.rollout.maxUnavailable"),
     ],
 )
 def test_invalid_caches_are_rejected_naming_the_field(

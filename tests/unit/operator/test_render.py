@@ -111,6 +111,17 @@ def test_cpu_daemonset_shape() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8470}
 
 
+@pytest.mark.parametrize(("rollout", "max_unavailable"),
+                         [({}, 1), ({"maxUnavailable": "10%"}, "10%"), ({"maxUnavailable": 4}, 4)])
+def test_rollout_pace_reaches_the_daemonset(rollout: dict, max_unavailable: int | str) -> None:
+    strategy = render({**GPU, "rollout": rollout})["spec"]["updateStrategy"]
+    assert strategy == {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxUnavailable": max_unavailable}}
+    # The pace is no part of the pod template: changing it replaces no daemon.
+    assert (render({**GPU, "rollout": rollout})["spec"]["template"]
+            == render(GPU)["spec"]["template"])
+
+
 def test_volumes_mount_socket_dir_per_cache_and_model_read_only() -> None:
     ds = render({**CPU, "socketDir": "/var/run/wc/"})
     volumes = {v["name"]: v for v in pod(ds)["volumes"]}

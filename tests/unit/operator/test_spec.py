@@ -101,12 +101,24 @@ def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
         # An empty selector would hold every gated pod of the namespace.
         ({**MINIMAL, "engine": {"selector": {}}}, "spec.engine.selector"),
         ({**MINIMAL, "engine": {"selector": {"matchLabels": {}}}}, "spec.engine.selector"),
+        ({**MINIMAL, "rollout": {"maxUnavailable": 0}}, "spec.rollout.maxUnavailable"),
+        ({**MINIMAL, "rollout": {"maxUnavailable": "0%"}}, "spec.rollout.maxUnavailable"),
+        ({**MINIMAL, "rollout": {"maxUnavailable": "101%"}}, "spec.rollout.maxUnavailable"),
+        ({**MINIMAL, "rollout": {"maxUnavailable": "5"}}, "spec.rollout.maxUnavailable"),
+        ({**MINIMAL, "rollout": {"maxUnavailable": True}}, "spec.rollout.maxUnavailable"),
+        ({**MINIMAL, "rollout": {"maxUnavailable": 2**31}}, "spec.rollout.maxUnavailable"),
     ],
 )
 def test_invalid_specs_name_the_field(raw: dict, field: str) -> None:
     with pytest.raises(SpecError) as err:
         parse_spec(raw)
     assert str(err.value).startswith((field + ":", field + "[")), str(err.value)
+
+
+@pytest.mark.parametrize("value", [1, 50, "1%", "25%", "100%"])
+def test_rollout_takes_a_count_or_a_percentage(value: int | str) -> None:
+    parsed = parse_spec({**MINIMAL, "rollout": {"maxUnavailable": value}})
+    assert parsed.rollout.max_unavailable == value
 
 
 def test_integer_quantities_are_accepted_as_strings() -> None:
@@ -154,6 +166,8 @@ def test_hash_changes_with_what_decides_the_weights(change: dict) -> None:
         {"sidecar": {"image": "other:2", "resources": {"limits": {"memory": "1Gi"}}}},
         {"placement": {"nodeSelector": {"pool": "gpu"}}},
         {"socketDir": "/run/other"},
+        # How fast the daemons roll is no part of which weights they hold.
+        {"rollout": {"maxUnavailable": "10%"}},
     ],
 )
 def test_hash_ignores_gate_and_pod_plumbing(change: dict) -> None:
