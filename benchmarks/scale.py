@@ -94,6 +94,12 @@ class Options:
     quiet_seconds: float = 8.0
     writers: int = 8
     seed: int = 19
+    # kwok's node leases: at 40 s, 1,000 nodes renew 100 times a second, load that is the
+    # kubelets' and not the operator's; the node controller's grace period follows.
+    node_lease_seconds: int = 600
+    # The cache's spec.rollout.maxUnavailable: the pace of the spec wave's DaemonSet
+    # rollout (one node at a time would take a thousand sequential replacements).
+    max_unavailable: int | str = "10%"
     # Run the operator from another checkout (its operator/ and sidecar/), e.g. a baseline.
     operator_src: Path | None = None
     # Stop after the first wave that does not converge (later ones would measure the backlog).
@@ -233,7 +239,8 @@ class FleetRun:
         o = self.o
         say(f"starting a control plane with {o.nodes} kwok nodes")
         self.cluster = cluster = Cluster(self.work / "testenv", assets.ensure_binaries(),
-                                         node_count=o.nodes, gpus_per_node=o.gpus)
+                                         node_count=o.nodes, gpus_per_node=o.gpus,
+                                         node_lease_seconds=o.node_lease_seconds)
         cluster.start(timeout=180 + o.nodes * 0.5)
         self.api = RawApi(cluster, maxsize=8)
         self.nodes = list(cluster.node_names)
@@ -506,7 +513,7 @@ class FleetRun:
     def act_install(self) -> Changes:
         assert self.cluster is not None
         changes = Changes(started=time.monotonic())
-        apply(self.cluster, weightcache(self.o.gpus, "r1"))
+        apply(self.cluster, weightcache(self.o.gpus, "r1", self.o.max_unavailable))
         changes.other = 1
         daemons = self._until("a daemon pod running on every node",
                               lambda: self._all_running(None), self.o.wave_timeout)
@@ -668,7 +675,7 @@ def policy() -> dict[str, Any]:
     }
 
 
-def weightcache(gpus: int, revision: str) -> dict[str, Any]:
+def weightcache(gpus: int, revision: str, max_unavailable: int | str) -> dict[str, Any]:
     """The committed GPU example's shape, spanning every GPU node of the cluster."""
     return {
         "apiVersion": names.API_VERSION,
@@ -685,6 +692,7 @@ def weightcache(gpus: int, revision: str) -> dict[str, Any]:
             "placement": {"nodeSelector": {"nvidia.com/gpu.present": "true"}},
             "engine": {"selector": {"matchLabels": {"app": ENGINE_APP}},
                        "byteTolerance": 0.01},
+            "rollout": {"maxUnavailable": max_unavailable},
         },
     }
 

@@ -58,6 +58,21 @@ def test_controllers_sign_tokens_and_publish_the_root_ca(tmp_path: Path) -> None
     assert flags["kubeconfig"] == str(config)
 
 
+def test_the_node_controller_waits_longer_than_kwok_renews_leases(tmp_path: Path) -> None:
+    config = tmp_path / "kcm.kubeconfig"
+    for lease in (cluster.NODE_LEASE_SECONDS, 600):
+        kcm = _flags(cluster.controller_manager_args(_pki(tmp_path), PORTS, config, tmp_path,
+                                                     lease))
+        kwok = _flags(cluster.kwok_args(config, lease))
+        assert kwok["node-lease-duration-seconds"] == str(lease)
+        # A node counts as gone only after a whole lease without renewal (kwok renews
+        # every quarter of it).
+        assert int(kcm["node-monitor-grace-period"].removesuffix("s")) > lease
+    # The default keeps the controller's own default grace period.
+    kcm = _flags(cluster.controller_manager_args(_pki(tmp_path), PORTS, config, tmp_path))
+    assert kcm["node-monitor-grace-period"] == "50s"
+
+
 def test_etcd_listens_on_loopback_only(tmp_path: Path) -> None:
     flags = _flags(cluster.etcd_args(tmp_path, PORTS))
     assert flags["listen-client-urls"] == "http://127.0.0.1:1001"

@@ -1,0 +1,75 @@
+"""Merge fleet-scale runs into one results file and print its table.
+
+    python -m benchmarks.scale_report results/polyglot-scale.json --add after run-1000.json
+    python -m benchmarks.scale_report results/polyglot-scale.json     # the README table
+
+Each run is what `python -m benchmarks.run --suite scale --out RUN` wrote; its fleet
+sizes go under the named arm ("before", "after"), replacing a size measured earlier.
+The results file keeps the machine of the last run added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ("arm", "nodes", "wave", "reports", "writes", "per change", "status writes",
+           "gate p50 / p99 s", "all right s", "RSS", "CPU s", "status B")
+
+
+def merge(results: dict[str, Any], arm: str, run: dict[str, Any]) -> dict[str, Any]:
+    """`results` with the run's fleet sizes under `arm`; a pure function of both."""
+    sizes = run["suites"]["scale"]["sizes"]
+    arms = {k: dict(v) for k, v in results.get("arms", {}).items()}
+    arms.setdefault(arm, {}).update(sizes)
+    ordered = {a: dict(sorted(s.items(), key=lambda kv: int(kv[0]))) for a, s in arms.items()}
+    return {**results, "machine": run["machine"], "date": run["date"], "arms": ordered}
+
+
+def _cell(value: Any) -> str:
+    return "–" if value is None else str(value)
+
+
+def rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per arm, fleet size and wave."""
+    out = []
+    for arm, sizes in results.get("arms", {}).items():
+        for nodes, run in sizes.items():
+            for w in run["waves"]:
+                op = w["operator"]
+                gate = w.get("gate_latency_s") or {}
+                total = w["total_s"] if w["converged"] else "not converged"
+                out.append([arm, nodes, w["wave"], _cell(w["report_writes"]),
+                            _cell(op["writes"]), _cell(op["writes_per_change"]),
+                            _cell(op["status_writes"]),
+                            f"{_cell(gate.get('p50'))} / {_cell(gate.get('p99'))}",
+                            _cell(total), _cell(op["peak_rss_mib"]), _cell(op["cpu_s"]),
+                            _cell(w["status_bytes"])])
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--add", nargs=2, action="append", default=[], metavar=("ARM", "RUN"))
+    args = parser.parse_args(argv)
+    results = json.loads(args.results.read_text()) if args.results.exists() else {}
+    for arm, run in args.add:
+        results = merge(results, arm, json.loads(Path(run).read_text()))
+    if args.add:
+        args.results.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

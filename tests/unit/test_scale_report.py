@@ -1,0 +1,51 @@
+"""Merging fleet-scale runs into one results file, and its table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks import scale_report
+
+
+def wave(name: str, converged: bool = True) -> dict[str, Any]:
+    return {"wave": name, "converged": converged, "report_writes": 80,
+            "total_s": 0.5 if converged else None, "status_bytes": 1000,
+            "gate_latency_s": {"p50": 0.1, "p99": 0.4},
+            "operator": {"writes": 40, "writes_per_change": 0.5, "status_writes": 3,
+                         "peak_rss_mib": 100.0, "cpu_s": 1.5}}
+
+
+def run(sizes: dict[str, list[dict[str, Any]]], host: str) -> dict[str, Any]:
+    return {"machine": {"hostname": host}, "date": "2026-12-01",
+            "suites": {"scale": {"sizes": {n: {"waves": w} for n, w in sizes.items()}}}}
+
+
+def test_a_run_adds_its_sizes_to_its_arm_and_replaces_an_earlier_measurement() -> None:
+    results = scale_report.merge({}, "after", run({"100": [wave("ready")]}, "a"))
+    results = scale_report.merge(results, "before", run({"10": [wave("ready")]}, "a"))
+    again = run({"1000": [wave("ready")], "100": [wave("spec")]}, "b")
+    results = scale_report.merge(results, "after", again)
+    assert list(results["arms"]) == ["after", "before"]
+    assert list(results["arms"]["after"]) == ["100", "1000"]  # by fleet size, not as added
+    assert results["arms"]["after"]["100"]["waves"][0]["wave"] == "spec"
+    assert results["machine"] == {"hostname": "b"}
+
+
+def test_the_table_has_a_row_per_wave_and_says_which_did_not_converge() -> None:
+    results = scale_report.merge(
+        {}, "after", run({"1000": [wave("ready"), wave("spec", converged=False)]}, "a"))
+    lines = scale_report.table(results).splitlines()
+    assert len(lines) == 2 + 2
+    assert all(line.count("|") == len(scale_report.COLUMNS) + 1 for line in lines)
+    assert "| after | 1000 | ready | 80 | 40 | 0.5 | 3 | 0.1 / 0.4 | 0.5 |" in lines[2]
+    assert "not converged" in lines[3]
+
+
+def test_the_command_writes_the_merged_file(tmp_path: Path, capsys: Any) -> None:
+    out, first = tmp_path / "scale.json", tmp_path / "run.json"
+    first.write_text(json.dumps(run({"10": [wave("loading")]}, "a")))
+    assert scale_report.main([str(out), "--add", "after", str(first)]) == 0
+    assert json.loads(out.read_text())["arms"]["after"]["10"]["waves"][0]["wave"] == "loading"
+    assert "| after | 10 | loading |" in capsys.readouterr().out
