@@ -162,7 +162,12 @@ def leftovers(layout: nodeconfig.Layout, sysctls_before: dict[str, str]) -> list
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             cgroup = (entry / "cgroup").read_text()
-        except OSError:
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        # A zombie has exited and holds nothing; it waits for its (re)parent to reap it,
+        # which on a loaded machine can come a moment after the teardown returned.
+        if state in ("Z", "X"):
             continue
         if layout.run in cmdline or layout.cgroup in cgroup:
             found.append(f"process {entry.name}: {cmdline[:120]}")
