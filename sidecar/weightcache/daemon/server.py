@@ -178,19 +178,23 @@ class SocketServer:
             )
             return
         thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
+        # Started and registered under one lock: stop() joins every registered thread, and
+        # joining one not yet started raises (a SIGTERM right after an accept once ended
+        # the daemon with "cannot join thread before it is started" instead of draining).
         with self._threads_lock:
-            self._threads.add(thread)
-        try:
-            thread.start()
-        except RuntimeError as exc:  # "can't start new thread": out of threads or memory
-            with self._threads_lock:
-                self._threads.discard(thread)
-            self._slots.release()
-            self.counters.count(self.counters.refused, "thread_start")
-            log.warning("cannot start a thread for pid %d (%s); refused it", pid, exc)
-            self._reply_and_close(
-                conn, "busy: cannot start a thread for this connection", retryable=True
-            )
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread": out of threads or memory
+                failure = exc
+            else:
+                self._threads.add(thread)
+                return
+        self._slots.release()
+        self.counters.count(self.counters.refused, "thread_start")
+        log.warning("cannot start a thread for pid %d (%s); refused it", pid, failure)
+        self._reply_and_close(
+            conn, "busy: cannot start a thread for this connection", retryable=True
+        )
 
     def _reply_and_close(self, conn: socket.socket, error: str, retryable: bool = False) -> None:
         if len(error) > MAX_ERROR_CHARS:

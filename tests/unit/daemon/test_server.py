@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -403,6 +404,29 @@ def test_fetch_while_loading_is_a_clear_retryable_error(loading_server) -> None:
     with pytest.raises(DaemonNotReady, match="daemon is still loading"):
         attach(path)
     assert daemon_status(path).state == "loading"
+
+
+def test_a_stop_right_after_an_accept_waits_for_that_connection(
+    loading_server, monkeypatch
+) -> None:
+    """SIGTERM can land between an accept and the start of the connection's thread: the
+    drain must wait for that thread, not fail joining one that has not started."""
+    path, server = loading_server(max_connections=8)
+    real_start = threading.Thread.start
+    starting = threading.Event()
+
+    def slow_start(thread: threading.Thread) -> None:
+        if getattr(thread, "_target", None) == server._serve_connection:
+            starting.set()
+            time.sleep(0.5)  # stop() runs meanwhile
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(path)
+        assert starting.wait(10)
+        assert server.stop(5) is True
+        assert client.recv(1) == b""  # closed by its thread, which saw the stop
 
 
 def test_connections_past_the_limit_are_told_busy(loading_server) -> None:

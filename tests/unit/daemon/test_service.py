@@ -225,6 +225,9 @@ def test_readiness_fails_while_the_daemon_drains(daemons, many_tensor_checkpoint
     request = frame(FetchStateRequest(v=1, config=None, transports=["memfd"]))
     # Sent its request, reads nothing: the daemon is stuck sending a reply over 1 MB.
     held = peers.hold(daemon.socket, 2, request)
+    # Its request sent is not yet its request taken: a stop before that closes it at once.
+    wait_until(lambda: daemon.metric("weightcache_active_connections") == 1,
+               "the daemon to be serving the held client")
     daemon.proc.send_signal(signal.SIGTERM)
     wait_until(
         lambda: daemon.http("/readyz") == (503, "text/plain", b"not accepting connections\n"),
