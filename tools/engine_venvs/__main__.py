@@ -16,7 +16,15 @@ from tools.engine_venvs import ENGINES, REPO_ROOT, build, venv_dir
 
 def run_tests(engine: str) -> int:
     python = build(engine) / "bin" / "python"
-    env = {**os.environ, "WEIGHTCACHE_ENGINE_TESTS": engine}
+    # The checkout's sources first: the venv's editable install may point at another
+    # checkout (a second worktree sharing the cached venv); its metadata (entry points) is
+    # the same, its code may not be.
+    paths = [REPO_ROOT / "sidecar", REPO_ROOT / "operator", REPO_ROOT]
+    env = {
+        **os.environ,
+        "WEIGHTCACHE_ENGINE_TESTS": engine,
+        "PYTHONPATH": os.pathsep.join(map(str, paths)),
+    }
     argv = [str(python), "-m", "pytest", "-rs", "-p", "no:cacheprovider",
             f"tests/engines/test_{engine}.py"]  # fmt: skip
     print("+", " ".join(argv), flush=True)
