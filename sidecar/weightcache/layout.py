@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from weightcache.checkpoint import dtype_from_name, dtype_name
+from weightcache.plan import ParamEntry, contiguous_strides, dense
 from weightcache.protocol import Layout, TensorGroup
 
 # 256 bytes: CUDA's allocation alignment, and a multiple of every element size.
@@ -52,6 +53,27 @@ def plan_layout(tensors: list[TensorSpec], allocation_alignment: int = ALIGNMENT
     return Layout(allocation_sizes=[align_up(offset, allocation_alignment)], groups=groups)
 
 
+def plan_param_layout(params: list[ParamEntry], allocation_alignment: int = ALIGNMENT) -> Layout:
+    """An engine's parameter table (a load plan's) as one allocation: grouped by dtype, shape
+    and strides; tied names become aliases."""
+    by_kind: dict[tuple[str, tuple[int, ...], tuple[int, ...] | None], list[str]] = {}
+    aliases: dict[str, str] = {}
+    for p in params:
+        stride = None if list(p.stride) == contiguous_strides(p.shape) else tuple(p.stride)
+        by_kind.setdefault((p.dtype, tuple(p.shape), stride), []).append(p.name)
+        aliases.update((alias, p.name) for alias in p.aliases)
+    groups = []
+    offset = 0
+    for (dtype, shape, stride), names in by_kind.items():
+        step = align_up(math.prod(shape) * dtype_from_name(dtype).itemsize)
+        strides = None if stride is None else list(stride)
+        groups.append(TensorGroup(0, dtype, list(shape), offset, step, names, strides))
+        offset += step * len(names)
+    return Layout(
+        allocation_sizes=[align_up(offset, allocation_alignment)], groups=groups, aliases=aliases
+    )
+
+
 def tensor_specs(layout: Layout) -> list[tuple[TensorSpec, int, int]]:
     """(spec, allocation index, byte offset) for every tensor in the layout."""
     out = []
@@ -77,6 +99,10 @@ def check_layout(layout: Layout) -> None:
             raise ValueError(
                 f"group {g.names[0]!r} has a step or offset that cannot hold its tensors"
             )
+        if g.stride is not None and (
+            len(g.stride) != len(g.shape) or not dense(g.shape, g.stride)
+        ):
+            raise ValueError(f"group {g.names[0]!r} has strides that are not one dense layout")
         end = g.offset + g.step * len(g.names)
         if nbytes and end > layout.allocation_sizes[g.allocation]:
             raise ValueError(f"group {g.names[0]!r} extends past the end of its allocation")
@@ -104,7 +130,12 @@ def build_views(buffers: list[torch.Tensor], layout: Layout) -> dict[str, torch.
             continue
         region = buffer[g.offset : g.offset + count * g.step].view(dtype)
         rows = region.view(count, g.step // dtype.itemsize)[:, :numel]
-        views.update(zip(g.names, rows.view(count, *g.shape).unbind(0), strict=True))
+        if g.stride is None:
+            views.update(zip(g.names, rows.view(count, *g.shape).unbind(0), strict=True))
+        else:
+            # as_strided keeps each row's own storage offset.
+            views.update((n, row.as_strided(g.shape, g.stride)) for n, row in zip(
+                g.names, rows.unbind(0), strict=True))  # fmt: skip
     for alias, target in layout.aliases.items():
         views[alias] = views[target]
     return views

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from weightcache.plan import LoadPlan
+
 PROTOCOL_VERSION = 1
 LAYOUT_VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
@@ -24,6 +26,7 @@ READOPT_MAX_FRAME = 64 * 1024
 MAX_SOCKET_PATH_BYTES = 107
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=4096)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -69,6 +72,9 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_capability: Annotated[str, msgspec.Meta(max_length=32)] | None
     torch_version: Annotated[str, msgspec.Meta(max_length=64)]
     layout_version: PosInt = LAYOUT_VERSION
+    # An engine's layout: the hash of the load plan that built it from these weights
+    # (weightcache.plan); None: the checkpoint's own layout.
+    plan: Sha256Hex | None = None
 
 
 def canonical_json(config: CacheConfig) -> bytes:
@@ -118,6 +124,8 @@ class TensorGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offset: NonNegInt
     step: NonNegInt
     names: Annotated[list[ShortStr], msgspec.Meta(min_length=1)]
+    # Element strides of each tensor over its dense bytes; None: row-major (contiguous).
+    stride: Annotated[list[NonNegInt], msgspec.Meta(max_length=32)] | None = None
 
 
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -148,7 +156,22 @@ class FetchStateRequest(_Message, tag="fetch_state"):
     transports: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=16)]
 
 
-Request = PingRequest | StatusRequest | FetchStateRequest
+class FetchLayoutRequest(_Message, tag="fetch_layout"):
+    """An engine's own layout of the daemon's weights, by the hash of its load plan.
+
+    ``config`` is the checkpoint layout's, as in ``fetch_state``. Without
+    ``plan`` the daemon serves a layout it holds or answers ``unknown_plan``;
+    with it, the daemon checks that the plan hashes to ``plan_hash`` and builds
+    the layout if it does not hold it yet (answering ``retryable`` meanwhile).
+    """
+
+    config: CacheConfig
+    plan_hash: Sha256Hex
+    transports: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=16)]
+    plan: LoadPlan | None = None
+
+
+Request = PingRequest | StatusRequest | FetchStateRequest | FetchLayoutRequest
 
 
 # --------------------------------------------------------------------------- replies
@@ -159,6 +182,21 @@ class _ReplyMessage(msgspec.Struct, tag_field="op"):
     optional fields without breaking older engines; requests stay strict."""
 
     v: Literal[1]
+
+
+class LayoutStatus(msgspec.Struct):
+    """One layout a daemon holds or builds: the checkpoint's (``plan`` None) or an engine's."""
+
+    fingerprint: str
+    plan: str | None
+    state: Literal["building", "ready", "failed"]
+    bytes: NonNegInt
+    expected_bytes: NonNegInt
+    # disk | readopted | peer (the checkpoint layout, or a layout re-adopted or seeded), or
+    # resident: built from the checkpoint layout in memory.
+    source: str | None = None
+    seconds: float | None = None
+    error: str | None = None
 
 
 class DaemonStatus(msgspec.Struct):
@@ -180,6 +218,8 @@ class DaemonStatus(msgspec.Struct):
     load_reason: str | None = None
     # load_source "peer": the GPU (UUID, or "cpu") of the daemon the weights were copied from.
     seeded_from: str | None = None
+    # Every layout held or being built; the byte counts above sum the ready ones.
+    layouts: list[LayoutStatus] = []
 
 
 class PingReply(_ReplyMessage, tag="ping_reply"):
@@ -204,7 +244,8 @@ class FetchStateReply(_ReplyMessage, tag="fetch_state_reply"):
     error the client reports (see :func:`validated_preloaded_bytes`).
     """
 
-    status: Literal["ok", "mismatch", "error"]
+    # unknown_plan: a fetch_layout by hash alone for a layout the daemon does not hold.
+    status: Literal["ok", "mismatch", "error", "unknown_plan"]
     pid: NonNegInt = 0
     config: CacheConfig | None = None
     fingerprint: str | None = None
@@ -227,7 +268,7 @@ Reply = PingReply | StatusReply | ErrorReply | FetchStateReply
 # own socket) for the fds of the weights it holds. Kept out of Request/Reply
 # so neither side ever accepts the other's messages.
 
-Fingerprint = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+Fingerprint = Sha256Hex
 
 
 class ReadoptRequest(_Message, tag="readopt"):

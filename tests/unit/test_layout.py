@@ -15,6 +15,7 @@ from weightcache.layout import (
     build_views,
     check_layout,
     plan_layout,
+    plan_param_layout,
     tensor_specs,
 )
 from weightcache.protocol import Layout, TensorGroup
@@ -217,3 +218,35 @@ def test_tensor_specs_lists_every_tensor_with_its_place() -> None:
         ("c", torch.int8, (3,), 0, 512),
     ]
     assert math.prod(layout.groups[0].shape) == 4
+
+
+def test_an_engines_parameter_table_lays_out_with_strides_and_aliases() -> None:
+    from weightcache.plan import ParamEntry
+
+    params = [
+        ParamEntry("qkv", "bfloat16", [6, 4], [4, 1], aliases=[]),
+        ParamEntry("o", "bfloat16", [6, 4], [4, 1]),
+        ParamEntry("w_t", "float32", [4, 3], [1, 4]),  # a transposed parameter
+        ParamEntry("embed", "float32", [5, 2], [2, 1], aliases=["lm_head"]),
+    ]
+    layout = plan_param_layout(params, allocation_alignment=4096)
+    check_layout(layout)
+    assert [(g.names, g.stride) for g in layout.groups] == [
+        (["qkv", "o"], None),
+        (["w_t"], [1, 4]),
+        (["embed"], None),
+    ]
+    assert layout.aliases == {"lm_head": "embed"}
+    assert layout.allocation_sizes == [4096]
+    buffer = torch.arange(4096, dtype=torch.uint8)
+    views = build_views([buffer], layout)
+    w_t = views["w_t"]
+    assert w_t.shape == (4, 3) and w_t.stride() == (1, 4)
+    offset = layout.groups[1].offset
+    assert w_t.data_ptr() == buffer.data_ptr() + offset
+    dense_bytes = buffer[offset : offset + 48].view(torch.float32).view(3, 4)
+    assert torch.equal(w_t, dense_bytes.t())
+    assert views["lm_head"] is views["embed"]
+    bad = Layout([4096], [TensorGroup(0, "float32", [4, 3], 0, 64, ["x"], [4, 1])])
+    with pytest.raises(ValueError, match="strides that are not one dense layout"):
+        check_layout(bad)

@@ -10,11 +10,13 @@ import sys
 import msgspec
 import pytest
 
+from weightcache.plan import Copy, LoadPlan, ParamEntry, Region
 from weightcache.protocol import (
     MAX_SOCKET_PATH_BYTES,
     CacheConfig,
     ErrorReply,
     FetchStateReply,
+    FetchLayoutRequest,
     FetchStateRequest,
     FileIdentity,
     ModelIdentity,
@@ -35,6 +37,11 @@ from weightcache.protocol import (
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
+LOAD_PLAN = LoadPlan(
+    v=1,
+    params=[ParamEntry("qkv", "bfloat16", [8, 4], [4, 1])],
+    copies=[Copy("q", Region(0, [8, 4], [4, 1]), "qkv", Region(0, [8, 4], [4, 1]))],
+)
 
 
 def make_config(**overrides) -> CacheConfig:
@@ -79,6 +86,10 @@ def config_map(**overrides) -> dict:
         StatusRequest(v=1),
         FetchStateRequest(v=1, config=None, transports=["memfd"]),
         FetchStateRequest(v=1, config=make_config(), transports=["vmm_fd", "torch_ipc"]),
+        FetchLayoutRequest(v=1, config=make_config(), plan_hash=SHA_A, transports=["memfd"]),
+        FetchLayoutRequest(
+            v=1, config=make_config(), plan_hash=SHA_B, transports=["vmm_fd"], plan=LOAD_PLAN
+        ),
     ],
 )
 def test_requests_round_trip(message) -> None:
@@ -180,6 +191,28 @@ def test_every_message_carries_its_op_and_version() -> None:
                 op="fetch_state", v=1, config=config_map(surprise=1), transports=["memfd"]
             ),
             "`surprise`",
+        ),
+        (
+            request_body(op="fetch_layout", v=1, config=config_map(), transports=["memfd"],
+                         plan_hash="A" * 64),
+            "$.plan_hash",
+        ),
+        (
+            request_body(op="fetch_layout", v=1, config=config_map(), transports=["memfd"],
+                         plan_hash=SHA_A, plan={"v": 1, "params": [], "copies": []}),
+            "$.plan.params",
+        ),
+        (
+            request_body(op="fetch_layout", v=1, config=config_map(), transports=["memfd"],
+                         plan_hash=SHA_A, plan={"v": 1, "copies": [], "params": [
+                             {"name": "p", "dtype": "float32", "shape": [1], "stride": [1]}],
+                             "fills": [["p", [0, [1], [1]], "zero"]]}),
+            "$.plan.fills[0][2]",
+        ),
+        (
+            request_body(op="fetch_layout", v=1, config=None, transports=["memfd"],
+                         plan_hash=SHA_A),
+            "$.config",
         ),
     ],
 )
@@ -317,6 +350,7 @@ FIELD_CHANGES = [
     ("device_capability", lambda c: msgspec.structs.replace(c, device_capability="sm_80")),
     ("torch_version", lambda c: msgspec.structs.replace(c, torch_version="2.6.0")),
     ("layout_version", lambda c: msgspec.structs.replace(c, layout_version=2)),
+    ("plan", lambda c: msgspec.structs.replace(c, plan="d" * 64)),
 ]
 
 

@@ -240,9 +240,13 @@ class SocketServer:
         elif isinstance(request, StatusRequest):
             send_message(conn, StatusReply(v=1, status=self._status()))
             op = "status"
-        else:
+        elif isinstance(request, FetchStateRequest):
             op = "fetch_state"
             self._fetch_state(conn, request)
+        else:
+            op = "fetch_layout"
+            error = "this daemon builds no engine layouts yet"
+            send_message(conn, FetchStateReply(v=1, status="error", pid=os.getpid(), error=error))
         self.counters.count(self.counters.served, op)
 
     def _fetch_state(self, conn: socket.socket, request: FetchStateRequest) -> None:
