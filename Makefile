@@ -6,16 +6,21 @@ PY := $(VENV)/bin/python
 # Re-install only when the package's declared dependencies change.
 VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv testenv demo demo-k8s test lint test-unit test-gpu test-engines manifests clean
+.PHONY: venv csi-stubs testenv demo demo-k8s test lint test-unit test-gpu test-engines manifests clean
 
 venv: $(VENV_STAMP)
 
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON_SYSTEM) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[operator,kubernetes,cuda,test]'
+	$(PY) -m pip install -q -e '.[operator,kubernetes,cuda,csi,csi-stubs,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# The CSI plugin's gRPC stubs, from the pinned spec's csi.proto (tools/csi_stubs.py; not
+# committed); cheap when they are current.
+csi-stubs: venv
+	$(PY) -m tools.csi_stubs
 
 demo: venv
 	$(PY) examples/demo.py
@@ -27,7 +32,7 @@ demo-k8s: testenv
 # The local Kubernetes control plane and its real node (kubelet from the same Go modules,
 # containerd and runc from Debian, images built from the repo's Dockerfiles): installs the
 # Debian packages it needs (root), builds what is missing, caches it outside the repo.
-testenv: venv
+testenv: csi-stubs
 	$(PY) -m tools.testenv build --real-node
 
 lint: venv
@@ -47,7 +52,7 @@ test-engines: venv
 test: lint testenv test-engines
 	$(PY) -m pytest -rs tests/unit tests/gpu tests/k8s
 
-test-unit: venv
+test-unit: csi-stubs
 	$(PY) -m pytest -rs tests/unit
 
 # On a CUDA machine (see tests/gpu/README.md).

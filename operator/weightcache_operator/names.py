@@ -28,6 +28,11 @@ SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 
 FINALIZER = f"{GROUP}/cleanup"
 
+# The CSI driver that mounts a cache's socket directory into engine pods; its
+# inline volumes name the cache in this volume attribute (`<namespace>/<name>` or `<name>`).
+CSI_DRIVER = GROUP
+CSI_CACHE_ATTRIBUTE = "cache"
+
 
 # A label key's name part is at most 63 characters.
 MAX_LABEL_NAME = 63

@@ -14,6 +14,9 @@ to the daemon's uid and gid, and changes nothing else:
   `O_NOFOLLOW`: a symlink there is refused, never followed;
 - ownership and mode are changed through the opened descriptor (`fchown`,
   `fchmod`), so nothing can be swapped in between the check and the change.
+
+The CSI node plugin (csi/weightcache_csi) reaches a cache's directory by the
+same walk (`open_root`, `open_cache_dir`) before it bind-mounts it into a pod.
 """
 
 from __future__ import annotations
@@ -29,19 +32,53 @@ class SetupError(RuntimeError):
     """The directory cannot be prepared safely; the message says why."""
 
 
-def prepare(root: str, name: str, uid: int, gid: int) -> None:
+def check_name(name: str) -> None:
+    """`name` must be one directory name: nothing that could walk elsewhere."""
     if not name or "/" in name or name in (".", "..") or "\0" in name:
         raise SetupError(f"{name!r} is not a single directory name")
+
+
+def open_root(root: str) -> int:
+    """A descriptor of `root`, refused unless root owns it and nobody else may write it.
+
+    Then no one but root can have put anything at `root/<name>`.
+    """
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    st = os.fstat(root_fd)
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        os.close(root_fd)
+        raise SetupError(
+            f"{root} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
+            "the socket directory must be owned by root and writable by root alone"
+        )
+    return root_fd
+
+
+def open_cache_dir(root_fd: int, root: str, name: str, flags: int = os.O_RDONLY) -> int:
+    """Open `name` below `root_fd` as a directory, never following a symlink.
+
+    `FileNotFoundError` if there is nothing; `SetupError` if it is anything but a directory.
+    """
+    check_name(name)
+    try:
+        return os.open(
+            name, flags | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd
+        )
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise SetupError(
+            f"{root}/{name} is not a directory (a symlink or another file: {exc.strerror}); "
+            "refusing to follow it"
+        ) from None
+
+
+def prepare(root: str, name: str, uid: int, gid: int) -> None:
+    check_name(name)
     if uid < 1 or gid < 1:
         raise SetupError(f"refusing to hand {name} to uid {uid} / gid {gid} (root)")
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    root_fd = open_root(root)
     try:
-        st = os.fstat(root_fd)
-        if st.st_uid != 0 or st.st_mode & 0o022:
-            raise SetupError(
-                f"{root} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}: "
-                "the socket directory must be owned by root and writable by root alone"
-            )
         try:
             os.mkdir(name, MODE, dir_fd=root_fd)
         except FileExistsError:
@@ -50,15 +87,7 @@ def prepare(root: str, name: str, uid: int, gid: int) -> None:
             st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_gid) == (uid, gid):
                 return
-        try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd
-            )
-        except OSError as exc:
-            raise SetupError(
-                f"{root}/{name} is not a directory (a symlink or another file: {exc.strerror}); "
-                "refusing to follow it"
-            ) from None
+        fd = open_cache_dir(root_fd, root, name)
         try:
             st = os.fstat(fd)
             # Root may change the mode only while it owns the directory (no CAP_FOWNER);

@@ -43,6 +43,7 @@ MAX_PEER_IDS = 64
 # The same patterns the CRD uses, so both layers reject the same strings.
 ABS_PATH_RE = re.compile(r"^(/[A-Za-z0-9._@+=,:~-]+)+/?$")
 REL_PATH_RE = re.compile(r"^[A-Za-z0-9._@+=,:~-]+(/[A-Za-z0-9._@+=,:~-]+)*/?$")
+DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 QUANTITY_RE = re.compile(
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -57,6 +58,8 @@ RESOURCE_NAME_RE = re.compile(
 AbsPath = Annotated[str, msgspec.Meta(max_length=4096, pattern=ABS_PATH_RE.pattern)]
 RelPath = Annotated[str, msgspec.Meta(max_length=4096, pattern=REL_PATH_RE.pattern)]
 Name = Annotated[str, msgspec.Meta(max_length=253, pattern=DNS_SUBDOMAIN_RE.pattern)]
+NamespaceName = Annotated[str, msgspec.Meta(max_length=63, pattern=DNS_LABEL_RE.pattern)]
+MAX_ENGINE_NAMESPACES = 64
 ResourceName = Annotated[str, msgspec.Meta(max_length=253, pattern=RESOURCE_NAME_RE.pattern)]
 GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS_PER_NODE)]
 PeerId = Annotated[int, msgspec.Meta(ge=1)]  # never 0: root as a peer would admit any root process
@@ -168,6 +171,10 @@ class EngineSpec(_Spec):
     selector: LabelSelector | None = None
     byte_tolerance: Annotated[float, msgspec.Meta(ge=0, lt=1)] = DEFAULT_BYTE_TOLERANCE
     expected_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Other namespaces whose pods may mount this cache's sockets (the CSI driver, the webhook).
+    namespaces: Annotated[
+        tuple[NamespaceName, ...], msgspec.Meta(max_length=MAX_ENGINE_NAMESPACES)
+    ] = ()
 
 
 class RolloutSpec(_Spec):
