@@ -240,34 +240,66 @@ def runs(r: Region, budget: int) -> list[tuple[int, int]] | None:
     return [(a, length) for a in starts]
 
 
-def digits(r: Region, shape: Sequence[int]) -> tuple[list[int], list[list[int]]] | None:
-    """``r`` (elements of a row-major tensor of ``shape``) as multi-indices into ``shape``:
-    the start index, and for each of ``r``'s dims the index step it makes. None unless every
-    element's index is ``start + sum(i[m] * step[m])`` without carries, i.e. ``r`` is a strided
-    box of that tensor (what a chain of narrow/slice/select/transpose/expand gives)."""
-    strides = contiguous_strides(shape)
+def locate(g: Region, frame: Region) -> tuple[list[int], list[list[int]]] | None:
+    """``g``'s elements as indices into the nested region ``frame`` (both over one storage):
+    the start index, and for each of ``g``'s dims the index step it makes. None unless every
+    element of ``g`` is ``frame``'s element ``start + sum(i[m] * step[m])``, i.e. ``g`` is a
+    strided box of ``frame`` (what a chain of narrow/slice/select/transpose/expand gives)."""
+    order = sorted((k for k, s in enumerate(frame.shape) if s > 1), key=lambda k: -frame.stride[k])
 
     def split(value: int) -> list[int] | None:
-        out = []
-        for st, s in zip(strides, shape, strict=True):
-            d, value = divmod(value, st) if s > 1 else (0, value)
-            out.append(d)
+        out = [0] * len(frame.shape)
+        for k in order:
+            out[k], value = divmod(value, frame.stride[k])
         return out if value == 0 else None
 
-    start = split(r.offset)
+    if g.offset < frame.offset:
+        return None
+    start = split(g.offset - frame.offset)
     if start is None:
         return None
     steps = []
-    for s, st in zip(r.shape, r.stride, strict=True):
-        step = [0] * len(shape) if s <= 1 else split(st)
+    for s, st in zip(g.shape, g.stride, strict=True):
+        step = [0] * len(frame.shape) if s <= 1 else split(st)
         if step is None:
             return None
         steps.append(step)
-    for k, size in enumerate(shape):
-        reach = start[k] + sum((s - 1) * step[k] for s, step in zip(r.shape, steps, strict=True))
+    for k, size in enumerate(frame.shape):
+        reach = start[k] + sum((s - 1) * step[k] for s, step in zip(g.shape, steps, strict=True))
         if reach >= max(size, 1):
             return None
     return start, steps
+
+
+def digits(r: Region, shape: Sequence[int]) -> tuple[list[int], list[list[int]]] | None:
+    """:func:`locate` in a whole row-major tensor of ``shape``."""
+    return locate(r, Region(0, list(shape), contiguous_strides(shape)))
+
+
+def narrow(r: Region, dim: int, start: int, length: int) -> Region:
+    shape = list(r.shape)
+    shape[dim] = length
+    return Region(r.offset + start * r.stride[dim], shape, list(r.stride))
+
+
+def select(r: Region, dim: int, index: int) -> Region:
+    return Region(
+        r.offset + index * r.stride[dim],
+        [s for k, s in enumerate(r.shape) if k != dim],
+        [st for k, st in enumerate(r.stride) if k != dim],
+    )
+
+
+def through(g: Region, frame: Region, image: Region) -> Region | None:
+    """Where ``g`` (a strided box of ``frame``) lands in ``image``, a region of the same shape
+    as ``frame`` over another storage; None if ``g`` is no box of ``frame``."""
+    found = locate(g, frame)
+    if found is None:
+        return None
+    start, steps = found
+    offset = image.offset + sum(a * st for a, st in zip(start, image.stride, strict=True))
+    stride = [sum(d * st for d, st in zip(step, image.stride, strict=True)) for step in steps]
+    return Region(offset, list(g.shape), stride)
 
 
 def rebase(r: Region, shape: Sequence[int], box_start: Sequence[int],

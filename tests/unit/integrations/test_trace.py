@@ -1,0 +1,319 @@
+"""weightcache.integrations.trace: an engine's own loading, traced on meta, becomes a plan
+whose plain execution equals that loading run for real, byte for byte.
+
+The engine here is a toy of our own in vLLM's manner (fused qkv with biases and
+gate_up, stacked MoE experts, a padded vocabulary tied to lm_head, tensor
+parallel narrowing, dtype casts), plus Hugging Face transformers' own model
+classes loaded by torch's ``load_state_dict``. The real engines' loaders are
+traced in their own venvs (tests/engines/).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.unit.plankit import reference_params, same_bits
+from weightcache.client import meta_parameters
+from weightcache.integrations.trace import trace_load
+from weightcache.plan import SourceTensor, check_plan
+
+H, HEADS_Q, HEADS_KV, HEAD, INTER, EXPERTS, VOCAB = 16, 4, 2, 4, 24, 4, 30
+PAD = 8
+
+
+def checkpoint(layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    out = {"model.embed_tokens.weight": r(VOCAB, H), "model.norm.weight": r(H)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "self_attn.q_proj.weight": r(HEADS_Q * HEAD, H),
+            p + "self_attn.k_proj.weight": r(HEADS_KV * HEAD, H),
+            p + "self_attn.v_proj.weight": r(HEADS_KV * HEAD, H),
+            p + "self_attn.q_proj.bias": r(HEADS_Q * HEAD),
+            p + "self_attn.k_proj.bias": r(HEADS_KV * HEAD),
+            p + "self_attn.v_proj.bias": r(HEADS_KV * HEAD),
+            p + "self_attn.o_proj.weight": r(H, HEADS_Q * HEAD),
+            p + "self_attn.rotary_emb.inv_freq": r(HEAD // 2),
+            p + "mlp.gate.weight": r(EXPERTS, H),
+            p + "input_layernorm.weight": r(H),
+        }
+        for e in range(EXPERTS):
+            q = f"{p}mlp.experts.{e}."
+            out |= {q + "w1.weight": r(INTER, H), q + "w3.weight": r(INTER, H),
+                    q + "w2.weight": r(H, INTER)}  # fmt: skip
+    return out
+
+
+def sources(tensors: dict[str, torch.Tensor]) -> dict[str, SourceTensor]:
+    return {n: SourceTensor(str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            for n, t in tensors.items()}  # fmt: skip
+
+
+class ToyEngine(nn.Module):
+    """A vLLM-shaped model: fused and stacked parameters, each with a weight_loader."""
+
+    def __init__(self, layers=2, tp_rank=0, tp_size=1, dtype=torch.bfloat16, style="narrow"):
+        super().__init__()
+        self.rank, self.tp, self.style = tp_rank, tp_size, style
+        q, kv = HEADS_Q * HEAD // tp_size, HEADS_KV * HEAD // tp_size
+        self.q, self.kv, self.inter = q, kv, INTER // tp_size
+        padded = -(-VOCAB // (PAD * tp_size)) * PAD * tp_size
+        self.rows = padded // tp_size
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.embed = param(self.rows, H)
+        self.lm_head = self.embed  # tied
+        self.norm = param(H)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.qkv_weight = param(q + 2 * kv, H)
+            layer.qkv_bias = param(q + 2 * kv)
+            layer.o_proj = param(H, q)
+            layer.router = param(EXPERTS, H)
+            layer.w13 = param(EXPERTS, 2 * self.inter, H)
+            layer.w2 = param(EXPERTS, H, self.inter)
+            layer.norm = param(H)
+            self.layers.append(layer)
+
+    # Each loader writes a view of its parameter, as vLLM's do.
+    def _qkv(self, param, w, shard):
+        size = {"q": self.q, "k": self.kv, "v": self.kv}[shard]
+        offset = {"q": 0, "k": self.q, "v": self.q + self.kv}[shard]
+        part = w.narrow(0, self.rank * size, size)
+        if self.style == "cast":
+            part = part.to(torch.float16)  # a lossy hop the plan must keep
+        param.data.narrow(0, offset, size).copy_(part)
+
+    def load_weights(self, weights):
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "model.embed_tokens.weight":
+                start = self.rank * self.rows
+                n = max(0, min(self.rows, VOCAB - start))
+                self.embed.data[:n].copy_(w[start : start + n])
+                self.embed.data[n:].fill_(0)
+                continue
+            if name == "model.norm.weight":
+                self.norm.data.copy_(w)
+                continue
+            parts = name.split(".")
+            layer = self.layers[int(parts[2])]
+            rest = ".".join(parts[3:])
+            if rest.startswith("self_attn.") and rest[10] in "qkv" and rest[11:17] == "_proj.":
+                shard = rest[10]
+                target = layer.qkv_weight if rest.endswith("weight") else layer.qkv_bias
+                if self.style == "cat":
+                    pending.setdefault(f"{parts[2]}.{rest[17:]}", {})[shard] = w
+                    group = pending[f"{parts[2]}.{rest[17:]}"]
+                    if len(group) == 3:
+                        size = {"q": self.q, "k": self.kv, "v": self.kv}
+                        fused = torch.cat([group[s].narrow(0, self.rank * size[s], size[s])
+                                           for s in "qkv"])  # fmt: skip
+                        target.data.copy_(fused)
+                else:
+                    self._qkv(target, w, shard)
+            elif rest == "self_attn.o_proj.weight":
+                layer.o_proj.data.copy_(w.narrow(1, self.rank * self.q, self.q))
+            elif rest == "mlp.gate.weight":
+                layer.router.data.copy_(w.t().contiguous().t())  # a clone in between
+            elif rest == "input_layernorm.weight":
+                layer.norm.data.copy_(w)
+            elif rest.startswith("mlp.experts."):
+                e, which = int(parts[5]), parts[6]
+                n = self.inter
+                if which == "w2":
+                    layer.w2.data[e].copy_(w.narrow(1, self.rank * n, n))
+                else:
+                    at = 0 if which == "w1" else n
+                    layer.w13.data[e].narrow(0, at, n).copy_(w.narrow(0, self.rank * n, n))
+            else:
+                raise KeyError(name)
+
+
+def real_load(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        model.load_weights(iter(tensors.items()))
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def meta_model(**kw) -> nn.Module:
+    with meta_parameters():
+        return ToyEngine(**kw)
+
+
+def assert_plan_equals_engine(report, tensors, engine_params) -> None:
+    built = reference_params(report.plan, tensors)
+    assert sorted(built) == sorted(engine_params)
+    different = [n for n in built if not same_bits(built[n], engine_params[n])]
+    assert different == []
+
+
+@pytest.mark.parametrize("style", ["narrow", "cat", "cast"])
+@pytest.mark.parametrize(("rank", "size"), [(0, 1), (0, 2), (1, 2)])
+def test_the_plan_of_a_fused_loader_rebuilds_its_parameters_bit_for_bit(style, rank, size):
+    tensors = checkpoint()
+    kw = dict(tp_rank=rank, tp_size=size, style=style)
+    traced = meta_model(**kw)
+    report = trace_load(traced, sources(tensors), traced.load_weights)
+    assert report.copied == {} and report.unwritten == [] and report.incomplete == []
+    assert report.unread == ["model.layers.0.self_attn.rotary_emb.inv_freq",
+                             "model.layers.1.self_attn.rotary_emb.inv_freq"]  # fmt: skip
+    assert report.planned_bytes == sum(report.param_bytes.values())
+    check_plan(report.plan, sources(tensors))
+    assert {p.name: p.aliases for p in report.plan.params}["embed"] == ["lm_head"]
+    assert_plan_equals_engine(report, tensors, real_load(ToyEngine(**kw), tensors))
+    if style == "cast":
+        assert {tuple(c.casts) for c in report.plan.copies} == {(), ("float16",)}
+    if (rank, size) == (1, 2):
+        # Rank 1's vocabulary rows 16..29 and 2 padding rows: a fill, zeros in the plan.
+        assert [(f.param, f.dst.offset, f.dst.shape) for f in report.plan.fills] == [
+            ("embed", 14 * H, [2, H])
+        ]
+
+
+def test_what_the_loader_computes_is_reported_as_copied_by_name() -> None:
+    tensors = checkpoint(layers=1)
+
+    class Computing(ToyEngine):
+        def load_weights(self, weights):
+            rest = []
+            for name, w in weights:
+                layer = self.layers[0]
+                if name.endswith("o_proj.weight"):
+                    layer.o_proj.data.copy_(w * 2)  # arithmetic
+                elif name.endswith("input_layernorm.weight"):
+                    layer.norm.data.copy_(torch.ones(H))  # not from the checkpoint
+                elif name.endswith("gate.weight"):
+                    w.mul_(1)  # the loaded tensor modified in place
+                    layer.router.data.copy_(w)
+                elif name == "model.norm.weight":
+                    self.norm.data.copy_(w)
+                    self.norm.data[:4].copy_(w[:4])  # written twice
+                else:
+                    rest.append((name, w))
+            super().load_weights(iter(rest))
+
+    with meta_parameters():
+        traced = Computing(layers=1)
+    report = trace_load(traced, sources(tensors), traced.load_weights)
+    assert report.copied == {
+        "layers.0.o_proj": "computed from checkpoint data by aten.mul.Tensor",
+        "layers.0.norm": "written from a tensor not read from the checkpoint",
+        "layers.0.router": "the checkpoint tensor was modified in place (aten.mul_.Tensor)",
+        "norm": report.copied["norm"],
+    }
+    assert report.copied["norm"].startswith("its writes do not form a plan: copy ")
+    assert "overlaps copy" in report.copied["norm"]
+    assert report.copied_bytes == (H * HEADS_Q * HEAD + 2 * H + EXPERTS * H) * 2
+    # Everything else is still planned, and still equal to the engine's own load.
+    real = real_load(Computing(layers=1), tensors)
+    built = reference_params(report.plan, tensors)
+    assert [n for n in built if not same_bits(built[n], real[n])] == []
+    assert len(built) == len(real) - 4
+
+
+def test_post_processing_must_leave_parameters_alone() -> None:
+    tensors = checkpoint(layers=1)
+
+    def traced_with(post):
+        model = meta_model(layers=1)
+        return trace_load(model, sources(tensors), model.load_weights,
+                          post_process=lambda: post(model))  # fmt: skip
+
+    def harmless(model):  # reads, and sets attributes, as engines do
+        model.layers[0].scale = model.layers[0].norm.shape[0] ** -0.5
+        model.layers[0].extra = torch.zeros(3)  # a real tensor it creates
+
+    report = traced_with(harmless)
+    assert report.copied == {} and report.post_error is None
+
+    def transposes(model):
+        layer = model.layers[0]
+        layer.o_proj = nn.Parameter(layer.o_proj.t().contiguous(), requires_grad=False)
+
+    def scales(model):
+        model.norm.data.mul_(2)
+
+    def needs_values(model):
+        if model.norm.sum() > 0:  # cannot run on meta
+            pass
+
+    assert traced_with(transposes).copied == {"layers.0.o_proj": "replaced by post-processing"}
+    assert traced_with(scales).copied == {"norm": "post-processing writes it (aten.mul_.Tensor)"}
+    failed = traced_with(needs_values)
+    assert failed.post_error is not None and "meta" in failed.post_error
+
+
+def test_a_stacked_and_transposed_loader_is_followed() -> None:
+    """Experts stacked with torch.stack, then copied transposed into a [E, in, out] param."""
+    tensors = checkpoint(layers=1)
+
+    class Stacking(ToyEngine):
+        def __init__(self):
+            super().__init__(layers=1)
+            self.layers[0].w2 = nn.Parameter(torch.empty(EXPERTS, INTER, H, dtype=torch.bfloat16),
+                                             requires_grad=False)  # fmt: skip
+
+        def load_weights(self, weights):
+            rest, w2 = [], {}
+            for name, w in weights:
+                if name.endswith("w2.weight"):
+                    w2[int(name.split(".")[5])] = w
+                else:
+                    rest.append((name, w))
+            stacked = torch.stack([w2[e] for e in range(EXPERTS)])  # [E, H, INTER]
+            self.layers[0].w2.data.copy_(stacked.transpose(1, 2))
+            super().load_weights(iter(rest))
+
+    with meta_parameters():
+        traced = Stacking()
+    report = trace_load(traced, sources(tensors), traced.load_weights)
+    assert report.copied == {}
+    w2 = [c for c in report.plan.copies if c.param == "layers.0.w2"]
+    assert len(w2) == EXPERTS and all(c.src.stride[1:] == [1, INTER] for c in w2)
+    assert_plan_equals_engine(report, tensors, real_load(Stacking(), tensors))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_transformers_models_loaded_by_load_state_dict(arch) -> None:
+    """Hugging Face model classes (tied embeddings for qwen2) through torch's own loader."""
+    transformers = pytest.importorskip("transformers")
+    if arch == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=50)  # fmt: skip
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(hidden_size=32, intermediate_size=48,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=50,
+                                          tie_word_embeddings=True)  # fmt: skip
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    state = {k: v.to(torch.float16) for k, v in cls(config).state_dict().items()
+             if not k.startswith("lm_head") or not config.tie_word_embeddings}  # fmt: skip
+    engine = cls(config).to(torch.bfloat16)
+    engine.load_state_dict(state, strict=False)
+    with meta_parameters():
+        traced = cls(config).to(torch.bfloat16)
+    report = trace_load(
+        traced, sources(state), lambda weights: traced.load_state_dict(dict(weights), strict=False)
+    )
+    assert report.copied == {} and report.unwritten == []
+    names = {n for p in report.plan.params for n in (p.name, *p.aliases)}
+    if config.tie_word_embeddings:
+        assert "lm_head.weight" in names  # an alias of the embedding
+    params = dict(engine.named_parameters(remove_duplicate=False))
+    assert_plan_equals_engine(report, state, params)
