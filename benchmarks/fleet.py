@@ -119,6 +119,8 @@ class FleetView:
     namespace: str
     engine_selector: str
     label_key: str
+    # Where the daemon pods run (the operator's daemon namespace).
+    daemon_namespace: str
     engines: dict[str, EnginePod] = field(default_factory=dict)
     daemons: dict[str, DaemonPod] = field(default_factory=dict)
     # node -> (carries the cache's Ready label, monotonic time it took that value)
@@ -234,7 +236,8 @@ class FleetWatch:
         self.watchers = [
             Watcher(api, f"/api/v1/namespaces/{ns}/pods?labelSelector={view.engine_selector}",
                     view.on_engine, view.lock),
-            Watcher(api, f"/api/v1/namespaces/{ns}/pods?labelSelector={daemon_selector}",
+            Watcher(api, f"/api/v1/namespaces/{view.daemon_namespace}/pods"
+                    f"?labelSelector={daemon_selector}",
                     view.on_daemon, view.lock),
             Watcher(api, "/api/v1/nodes", view.on_node, view.lock),
         ]

@@ -217,7 +217,7 @@ class FleetRun:
         self.watch: FleetWatch | None = None
         self.daemons: Daemons | None = None
         self.view = FleetView(NAMESPACE, f"app={ENGINE_APP}",
-                              names.node_label_key(NAMESPACE, CACHE))
+                              names.node_label_key(NAMESPACE, CACHE), OPERATOR_NAMESPACE)
         self.spec_hash = ""
         self.reported: dict[str, str] = {}  # node -> the daemon pod whose reports stand
         self.log = work / "operator.log"
@@ -256,10 +256,12 @@ class FleetRun:
                         "GET", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/default",
                         ok=(404,)).__class__ is dict, 120)
         install_operator_account(cluster, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
-        install_daemon_account(cluster, NAMESPACE)
-        apply(cluster, *apimetrics.flow_schemas("op", OPERATOR_NAMESPACE, OPERATOR_ACCOUNT,
-                                                rbac.OPERATOR_RULES))
-        apply(cluster, *apimetrics.flow_schemas("daemon", NAMESPACE, DAEMON_SA,
+        # The daemons run in the operator's namespace (its daemon namespace).
+        install_daemon_account(cluster, OPERATOR_NAMESPACE)
+        apply(cluster, *apimetrics.flow_schemas(
+            "op", OPERATOR_NAMESPACE, OPERATOR_ACCOUNT,
+            rbac.OPERATOR_RULES + rbac.OPERATOR_DAEMON_NAMESPACE_RULES))
+        apply(cluster, *apimetrics.flow_schemas("daemon", OPERATOR_NAMESPACE, DAEMON_SA,
                                                 rbac.DAEMON_RULES))
         apply(cluster, *report_guard(cluster))
         # A token outliving the run (the default one lasts an hour).
@@ -272,7 +274,7 @@ class FleetRun:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda n: self.api.request(
                 "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", engine_pod(n)), self.nodes))
-        self.daemons = Daemons(cluster, self.api, NAMESPACE, DAEMON_SA, o.writers)
+        self.daemons = Daemons(cluster, self.api, OPERATOR_NAMESPACE, DAEMON_SA, o.writers)
         self.watch = FleetWatch(self.api, self.view)
         self.watch.start()
 
@@ -564,7 +566,8 @@ class FleetRun:
                 deleted.append(pod)
         changes = self.write_all(reports, [0.0] * len(reports))
         for pod in deleted:
-            self.api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.name}")
+            self.api.request("DELETE",
+                             f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/pods/{pod.name}")
             changes.note(pod.node or "", time.monotonic())
             changes.other += 1
         return changes
@@ -671,6 +674,7 @@ def policy() -> dict[str, Any]:
         "setupImage": "localhost/weightcache-operator:scale",
         "sidecarImage": "localhost/weightcache-sidecar:scale",
         "daemonServiceAccount": DAEMON_SA,
+        "daemonNamespace": OPERATOR_NAMESPACE,
         "allowedHostPaths": {"socketDirs": [SOCKET_ROOT], "modelDirs": [MODEL_ROOT]},
         "allowedTransports": ["auto", "vmm_fd", "memfd", "torch_ipc"],
     }
@@ -714,10 +718,10 @@ def engine_pod(node: str) -> dict[str, Any]:
 
 
 def report_guard(cluster: Cluster) -> list[dict[str, Any]]:
-    """The chart's report guard (ValidatingAdmissionPolicy + binding) for the fleet namespace."""
+    """The chart's report guard (ValidatingAdmissionPolicy + binding) for the daemon account
+    (in the chart's namespace)."""
     out = cluster.helm("template", "scale", str(CHART), "-n", OPERATOR_NAMESPACE,
-                       "--show-only", "templates/daemon-report-guard.yaml",
-                       "--set", f"daemon.namespaces={{{NAMESPACE}}}").stdout
+                       "--show-only", "templates/daemon-report-guard.yaml").stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 

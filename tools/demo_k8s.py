@@ -92,18 +92,23 @@ class Demo:
 
     def show(self) -> None:
         print(self.kubectl("get", "wc,pods", "-n", NS, "-o", "wide"), end="", flush=True)
+        print(self.kubectl("get", "pods", "-n", SYSTEM_NS, "-o", "wide", "-l",
+                           f"weightcache.dev/cache={CACHE}"), end="", flush=True)
 
     def engine_pods(self) -> list[dict[str, Any]]:
         return [p for p in self.get("pods", "-n", NS, "-l", f"app={ENGINE}")["items"]
                 if not p["metadata"].get("deletionTimestamp")]
 
     def daemon_pod(self) -> dict[str, Any] | None:
-        pods = [p for p in self.get("pods", "-n", NS, "-l", f"weightcache.dev/cache={CACHE}")[
-            "items"] if not p["metadata"].get("deletionTimestamp")]
+        # The daemons run in the chart's namespace, whatever the cache's.
+        pods = [p for p in self.get("pods", "-n", SYSTEM_NS, "-l",
+                                    f"weightcache.dev/cache={CACHE}")["items"]
+                if not p["metadata"].get("deletionTimestamp")]
         return pods[0] if len(pods) == 1 else None
 
     def daemon_status(self, pod: dict[str, Any]) -> dict[str, Any]:
-        path = f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}:{DAEMON_PORT}/proxy/status"
+        path = (f"/api/v1/namespaces/{SYSTEM_NS}/pods/{pod['metadata']['name']}:{DAEMON_PORT}"
+                "/proxy/status")
         return json.loads(self.kubectl("get", "--raw", path))
 
     def engine_events(self, pod: str) -> list[dict[str, Any]]:
@@ -140,7 +145,6 @@ class Demo:
             "image": {"repository": operator_repo, "tag": operator_tag, "pullPolicy": "Never"},
             "sidecarImage": {"repository": sidecar_repo, "tag": sidecar_tag},
             "nodeSelector": {"kubernetes.io/hostname": self.node},
-            "daemon": {"namespaces": [NS]},
             # The cache policy admits this run's socket root and the checkpoint (in the venv).
             "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(self.socket_root)],
                                                  "modelDirs": [str(self.model_dir)]}},
@@ -166,7 +170,7 @@ class Demo:
         spec["sidecar"]["imagePullPolicy"] = "Never"
         self.apply(cache)
         ds = wait_for("the daemon's DaemonSet", lambda: next(iter(self.get(
-            "daemonsets", "-n", NS)["items"]), None))
+            "daemonsets", "-n", SYSTEM_NS)["items"]), None))
         self.daemon_gid = ds["spec"]["template"]["spec"]["securityContext"]["runAsGroup"]
         self.apply(self.engine("v1", self.daemon_gid))
 
@@ -232,7 +236,7 @@ class Demo:
         old = self.daemon_pod()
         assert old is not None
         say(f"kubectl delete pod {old['metadata']['name']}: the engines keep serving")
-        self.kubectl("delete", "pod", "-n", NS, old["metadata"]["name"])
+        self.kubectl("delete", "pod", "-n", SYSTEM_NS, old["metadata"]["name"])
 
         def replacement() -> dict[str, Any] | None:
             pod = self.daemon_pod()
@@ -258,7 +262,8 @@ class Demo:
         say("kubectl delete wc minilm; helm uninstall")
         self.kubectl("delete", "deployment", "-n", NS, ENGINE)
         self.kubectl("delete", "wc", "-n", NS, CACHE, "--wait=true", "--timeout=120s")
-        wait_for("the DaemonSet to go", lambda: not self.get("daemonsets", "-n", NS)["items"])
+        wait_for("the DaemonSet to go",
+                 lambda: not self.get("daemonsets", "-n", SYSTEM_NS)["items"])
         self.show()
         print(self.cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS,
                                 "--wait").stdout.strip())

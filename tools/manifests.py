@@ -7,6 +7,8 @@
 |-----------------------------------------|-------------------------------------------|
 | crds/weightcache.dev_weightcaches.yaml  | crds/weightcache.dev_weightcaches.yaml    |
 | files/operator-rules.yaml               | weightcache_operator.rbac.OPERATOR_RULES  |
+| files/operator-daemon-namespace-rules.yaml | rbac.OPERATOR_DAEMON_NAMESPACE_RULES   |
+| files/operator-migration-rules.yaml     | rbac.OPERATOR_MIGRATION_RULES             |
 | files/daemon-rules.yaml                 | weightcache_operator.rbac.DAEMON_RULES    |
 
 The chart's templates include the rule files (`.Files.Get`), so the rules the
@@ -39,6 +41,11 @@ def generated() -> dict[Path, str]:
     }
     files[CHART / "files" / "operator-rules.yaml"] = _rules(
         rbac.OPERATOR_RULES, "weightcache_operator.rbac.OPERATOR_RULES")
+    files[CHART / "files" / "operator-daemon-namespace-rules.yaml"] = _rules(
+        rbac.OPERATOR_DAEMON_NAMESPACE_RULES,
+        "weightcache_operator.rbac.OPERATOR_DAEMON_NAMESPACE_RULES")
+    files[CHART / "files" / "operator-migration-rules.yaml"] = _rules(
+        rbac.OPERATOR_MIGRATION_RULES, "weightcache_operator.rbac.OPERATOR_MIGRATION_RULES")
     files[CHART / "files" / "daemon-rules.yaml"] = _rules(
         rbac.DAEMON_RULES, "weightcache_operator.rbac.DAEMON_RULES")
     return files

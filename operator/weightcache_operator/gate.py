@@ -48,11 +48,13 @@ def controlled_pods(
 
     Anyone who may create pods in the namespace can copy a daemon pod's labels
     and write a report; only the DaemonSet controller can create a pod whose
-    controller owner reference names the DaemonSet's uid.
+    controller owner reference names the DaemonSet's uid, in the DaemonSet's own
+    namespace (an owner reference never crosses namespaces).
     """
     if daemonset is None:
         return []
-    return [p for p in pods if p.controller_uid == daemonset.uid]
+    return [p for p in pods
+            if p.controller_uid == daemonset.uid and p.namespace == daemonset.namespace]
 
 
 def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> Verdict:

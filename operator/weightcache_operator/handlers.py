@@ -32,7 +32,7 @@ RESYNC_SECONDS = 30.0
 SHUTDOWN_FLUSH_SECONDS = 5.0
 
 
-def state_of(kwargs: dict[str, Any]) -> State:
+def state_of(memo: kopf.Memo, kwargs: dict[str, Any]) -> State:
     """The indices kopf passes every handler, by their function names below."""
     return State(
         kwargs["wc_caches"],
@@ -40,7 +40,13 @@ def state_of(kwargs: dict[str, Any]) -> State:
         kwargs["wc_daemon_pods"],
         kwargs["wc_engine_pods"],
         kwargs["wc_nodes"],
+        memo.reconciler.policy.daemon_namespace or "",
     )
+
+
+def cache_namespace(namespace: str, labels: kopf.Labels) -> str:
+    """A daemon object's cache namespace: its label, else (older layout) its own namespace."""
+    return labels.get(names.CACHE_NAMESPACE_LABEL) or namespace
 
 
 # --------------------------------------------------------------------------- indices
@@ -56,7 +62,7 @@ def wc_daemonsets(
     body: kopf.Body, namespace: str, **_: Any
 ) -> dict[tuple[str, str], views.DaemonSetView]:
     view = views.daemonset_view(body)
-    return {(namespace, view.cache): view}
+    return {(view.cache_namespace or namespace, view.cache): view}
 
 
 # Pods are indexed by node: a report changes one node, and its pass asks for that node's pods.
@@ -67,7 +73,7 @@ def wc_daemon_pods(
     body: kopf.Body, namespace: str, **_: Any
 ) -> dict[tuple[str, str, str | None], views.DaemonPodView]:
     view = views.daemon_pod_view(body)
-    return {(namespace, view.cache, view.node): view}
+    return {(view.cache_namespace, view.cache, view.node): view}
 
 
 @kopf.index("v1", "pods", when=lambda body, **_: views.has_gate(body))
@@ -125,7 +131,7 @@ async def flush_writes(memo: kopf.Memo, **_: Any) -> None:
 async def apply_cache(
     body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
 ) -> None:
-    state = state_of(kwargs)
+    state = state_of(memo, kwargs)
     await memo.reconciler.apply_daemonset(state, views.cache_view(body))
     await memo.reconciler.cache(state, namespace, name)
 
@@ -134,7 +140,7 @@ async def apply_cache(
 async def resync_cache(
     body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
 ) -> None:
-    state = state_of(kwargs)
+    state = state_of(memo, kwargs)
     await memo.reconciler.apply_daemonset(state, views.cache_view(body))
     await memo.reconciler.cache(state, namespace, name)
     await memo.reconciler.orphan_labels(state)
@@ -144,34 +150,40 @@ async def resync_cache(
 async def cleanup_cache(
     namespace: str, name: str, uid: str, memo: kopf.Memo, **kwargs: Any
 ) -> None:
-    """Finalizer: drop node labels and close gates before the cache goes."""
-    await memo.reconciler.cleanup(state_of(kwargs), namespace, name, uid)
+    """Finalizer: delete the DaemonSet, drop node labels and close gates before the cache goes."""
+    await memo.reconciler.cleanup(state_of(memo, kwargs), namespace, name, uid)
 
 
 @kopf.on.event("apps", "v1", "daemonsets", labels=DAEMON_LABELS)
 async def daemonset_event(
     event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
 ) -> None:
-    state = state_of(kwargs)
+    state = state_of(memo, kwargs)
     cache_name = labels.get(names.CACHE_LABEL, "")
-    cache = state.cache(namespace, cache_name)
+    cache_ns = cache_namespace(namespace, labels)
+    cache = state.cache(cache_ns, cache_name)
     if event["type"] == "DELETED" and cache is not None and not cache.deleting:
         await memo.reconciler.apply_daemonset(state, cache)
     if event["type"] == "MODIFIED":
         # Its counts and generations show in the status only; which pods count
         # (the DaemonSet's uid) changes only when one appears or goes.
-        memo.reconciler.request_status(state, namespace, cache_name)
+        memo.reconciler.request_status(state, cache_ns, cache_name)
     else:
-        await memo.reconciler.cache(state, namespace, cache_name)
+        await memo.reconciler.cache(state, cache_ns, cache_name)
 
 
 @kopf.on.event("v1", "pods", labels=DAEMON_LABELS)
 async def daemon_pod_event(
-    namespace: str, labels: kopf.Labels, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any
+    event: kopf.RawEvent, namespace: str, labels: kopf.Labels, spec: kopf.Spec,
+    memo: kopf.Memo, **kwargs: Any,
 ) -> None:
-    await memo.reconciler.daemon_pod(
-        state_of(kwargs), namespace, labels.get(names.CACHE_LABEL, ""), spec.get("nodeName")
-    )
+    state = state_of(memo, kwargs)
+    cache_ns, cache_name = cache_namespace(namespace, labels), labels.get(names.CACHE_LABEL, "")
+    await memo.reconciler.daemon_pod(state, cache_ns, cache_name, spec.get("nodeName"))
+    cache = state.cache(cache_ns, cache_name)
+    if event["type"] == "DELETED" and cache is not None and namespace != state.daemon_namespace:
+        # A daemon of the older layout exited: its cache's DaemonSet may now move.
+        await memo.reconciler.apply_daemonset(state, cache)
 
 
 @kopf.on.event("v1", "pods", when=lambda body, **_: views.has_gate(body))
@@ -182,4 +194,5 @@ async def engine_pod_event(
     if event["type"] == "DELETED":
         memo.reconciler.forget_pod(uid)
     else:
-        await memo.reconciler.engine_pod(state_of(kwargs), namespace, name, spec.get("nodeName"))
+        await memo.reconciler.engine_pod(state_of(memo, kwargs), namespace, name,
+                                         spec.get("nodeName"))

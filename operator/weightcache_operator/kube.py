@@ -45,6 +45,16 @@ class Kube:
             field_manager=names.MANAGER, force=True, _content_type=APPLY,
         )
 
+    async def delete_daemonset(self, namespace: str, name: str, uid: str | None) -> None:
+        """Delete one DaemonSet (its pods follow, by the garbage collector); with `uid`, only
+        that object, never a newer one of the same name."""
+        body = client.V1DeleteOptions(
+            propagation_policy="Background",
+            preconditions=client.V1Preconditions(uid=uid) if uid else None,
+        )
+        await asyncio.to_thread(self.apps.delete_namespaced_daemon_set, name, namespace,
+                                body=body)
+
     async def replace_cache_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> None:
         # JSON-patch "add" replaces the whole status, so fields the new status

@@ -15,6 +15,11 @@ NODE_LABEL_PREFIX = f"{GROUP}/"
 NODE_LABEL_READY = "Ready"
 
 CACHE_LABEL = f"{GROUP}/cache"
+# Daemon DaemonSets and pods live in the daemon (system) namespace, not the cache's:
+# this label names the cache's namespace, the annotation its uid (owner references
+# cannot cross namespaces).
+CACHE_NAMESPACE_LABEL = f"{GROUP}/cache-namespace"
+CACHE_UID_ANNOTATION = f"{GROUP}/cache-uid"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 DAEMON_COMPONENT = "daemon"
@@ -52,5 +57,12 @@ def node_label_key(namespace: str, name: str) -> str:
     return NODE_LABEL_PREFIX + node_label_name(namespace, name)
 
 
-def daemonset_name(cache_name: str) -> str:
+def daemonset_name(namespace: str, name: str) -> str:
+    """`weightcache-<namespace>.<name>` in the daemon namespace (unique: namespaces have no
+    dots)."""
+    return f"weightcache-{namespace}.{name}"
+
+
+def legacy_daemonset_name(cache_name: str) -> str:
+    """Before daemons moved to the daemon namespace: `weightcache-<name>` in the cache's."""
     return f"weightcache-{cache_name}"

@@ -49,6 +49,13 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="ca
     # Daemons run under this ServiceAccount only (the chart creates it); the
     # chart's report guard covers exactly this identity.
     daemon_service_account: str = "weightcache-daemon"
+    # Every cache's DaemonSet runs here (the chart's namespace, the only one that
+    # needs Pod Security `privileged`), never in the cache's own namespace.
+    daemon_namespace: str | None = None
+    # A PVC model (spec.model.pvc.claimName) and a DRA claim (spec.gpuAccess.claim) are
+    # looked up in the daemon namespace: a cache may name only these.
+    allowed_model_claims: tuple[str, ...] = ()
+    allowed_resource_claims: tuple[str, ...] = ()
     allowed_host_paths: HostPaths = HostPaths()
     # Empty: any image.
     allowed_sidecar_image_prefixes: tuple[Image, ...] = ()
@@ -122,6 +129,22 @@ def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int) -> str:
             f"spec.model.path: {spec.model.path} is not under a model directory the cluster's "
             f"cache policy allows (allowed: {allowed}); or use spec.model.pvc"
         )
+    pvc = spec.model.pvc
+    if pvc is not None and pvc.claim_name not in policy.allowed_model_claims:
+        allowed = ", ".join(policy.allowed_model_claims) or "none"
+        raise PolicyError(
+            f"spec.model.pvc.claimName: {pvc.claim_name} is not a claim the cluster's cache "
+            f"policy allows in the daemon namespace (allowed: {allowed})"
+        )
+    claim = spec.gpu_access.claim
+    if spec.device == "cuda" and spec.gpu_access.mode == "dra":
+        named = claim.resource_claim_name or claim.resource_claim_template_name
+        if named not in policy.allowed_resource_claims:
+            allowed = ", ".join(policy.allowed_resource_claims) or "none"
+            raise PolicyError(
+                f"spec.gpuAccess.claim: {named} is not a resource claim (or template) the "
+                f"cluster's cache policy allows in the daemon namespace (allowed: {allowed})"
+            )
     image = spec.sidecar.image or policy.sidecar_image
     if not image:
         raise PolicyError(
@@ -138,6 +161,11 @@ def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int) -> str:
     if spec.sidecar.run_as_user == operator_uid:
         raise PolicyError(
             f"spec.sidecar.runAsUser: {operator_uid} is the operator's own uid; choose another"
+        )
+    if not policy.daemon_namespace:
+        raise PolicyError(
+            f"the operator has no daemon namespace ({POLICY_ENV} daemonNamespace) to run "
+            "the cache's daemons in"
         )
     if not policy.setup_image:
         raise PolicyError(

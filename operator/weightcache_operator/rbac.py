@@ -17,18 +17,29 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     {"apiGroups": [names.GROUP], "resources": [names.PLURAL],
      "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/status"], "verbs": ["patch"]},
-    # Owner references with blockOwnerDeletion need update on the owner's finalizers.
-    {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/finalizers"],
-     "verbs": ["update"]},
-    # Server-side apply of the daemon DaemonSet (create on first apply).
-    {"apiGroups": ["apps"], "resources": ["daemonsets"],
-     "verbs": ["list", "watch", "create", "patch"]},
+    # The daemons' DaemonSets: read wherever they are (a cache's own namespace before
+    # the move to the daemon namespace); written only where OPERATOR_DAEMON_NAMESPACE_RULES
+    # grant it.
+    {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["list", "watch"]},
     # Daemon pods (reports) and engine pods (readiness gates).
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     # weightcache.dev/<name>=Ready node labels.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+
+# In the daemon namespace only (a Role): server-side apply of each cache's DaemonSet
+# (create on first apply), and its deletion by the cache's finalizer.
+OPERATOR_DAEMON_NAMESPACE_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["create", "patch", "delete"]},
+]
+
+# In each namespace whose caches still have a DaemonSet of the older layout (a Role the
+# chart adds only while `daemon.migrateFromNamespaces` lists it): the operator deletes
+# that DaemonSet once, so the cache's daemons move to the daemon namespace.
+OPERATOR_MIGRATION_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["delete"]},
 ]
 
 # The daemon patches its own report annotation (a merge patch needing no read,

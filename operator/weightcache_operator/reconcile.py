@@ -64,6 +64,8 @@ class Kube(Protocol):
 
     async def apply_daemonset(self, manifest: Mapping[str, Any]) -> None: ...
 
+    async def delete_daemonset(self, namespace: str, name: str, uid: str | None) -> None: ...
+
     async def replace_cache_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> None: ...
 
@@ -167,11 +169,26 @@ class Reconciler:
         """Server-side apply the rendered DaemonSet unless it is already current.
 
         An unrenderable spec is reported in status by `cache`, not raised:
-        retrying cannot fix it, only a spec change can.
+        retrying cannot fix it, only a spec change can. Before the first apply,
+        what stands in the way goes: a DaemonSet of the older layout (in the
+        cache's namespace), whose daemons must exit before the new ones can take
+        the devices' locks (they then re-adopt the weights from the running
+        engines), and one left in the daemon namespace by an earlier cache of the
+        same name (a re-created cache starts from its own DaemonSet).
         """
         manifest = self.rendered(cache)
         if isinstance(manifest, Exception) or cache.deleting:
             return
+        legacy = state.legacy_daemonset(cache)
+        if legacy is not None:
+            await self._delete_daemonset(cache, legacy, "migrating to the daemon namespace")
+            return
+        if state.legacy_pods(cache):
+            return  # their exit (a pod event) applies the new DaemonSet
+        stale = state.stale_daemonset(cache)
+        if stale is not None:
+            await self._delete_daemonset(cache, stale, "left by an earlier cache of this name")
+            return  # its DELETED event applies the new one
         current = state.daemonset(cache)
         wanted = manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION]
         if (current and current.render_hash == wanted
@@ -184,7 +201,23 @@ class Reconciler:
             message = f"applying DaemonSet: {exc.status} {exc.reason}: {api_message(exc)}"
             raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc
         log.info("applied DaemonSet %s/%s for generation %d",
-                 cache.namespace, manifest["metadata"]["name"], cache.generation)
+                 manifest["metadata"]["namespace"], manifest["metadata"]["name"],
+                 cache.generation)
+
+    async def _delete_daemonset(self, cache: views.CacheView, ds: views.DaemonSetView,
+                                why: str) -> None:
+        try:
+            await self.kube.delete_daemonset(ds.namespace, ds.name, ds.uid or None)
+        except ApiException as exc:
+            if exc.status in (404, 409):  # gone already, or replaced since the index saw it
+                return
+            metrics.ERRORS.labels("daemonset").inc()
+            message = (f"deleting DaemonSet {ds.namespace}/{ds.name} ({why}): "
+                       f"{exc.status} {exc.reason}: {api_message(exc)}")
+            self.kube.post_event(_cache_ref(cache), "Warning", "DaemonSetNotDeleted", message)
+            raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc
+        log.info("deleted DaemonSet %s/%s of cache %s/%s: %s", ds.namespace, ds.name,
+                 cache.namespace, cache.name, why)
 
     async def cache(self, state: State, namespace: str, name: str) -> None:
         """Status, node labels and engine gates that follow from one cache's daemons.
@@ -336,10 +369,24 @@ class Reconciler:
                 self.labels.record((node, label), ready, view.resource_version)
 
     async def cleanup(self, state: State, namespace: str, name: str, uid: str) -> None:
-        """Before a cache goes: drop its node labels and close the gates it held open.
+        """Before a cache goes: delete its DaemonSet, drop its node labels and close the
+        gates it held open.
 
-        The DaemonSet is left to the garbage collector through its owner reference.
+        The DaemonSet lives in the daemon namespace, where no owner reference to the
+        cache can reach, so the finalizer deletes it (a DaemonSet of the older layout,
+        in the cache's namespace, still goes by its owner reference).
         """
+        cache = state.cache(namespace, name)
+        current = state.daemonset(cache) if cache is not None else None
+        if cache is not None and current is not None and not current.legacy:
+            await self._delete_daemonset(cache, current, "its cache is deleted")
+        elif self.policy.daemon_namespace:
+            # Not (yet) in the index: by name, which no other live cache can hold.
+            ref = views.CacheView(namespace, name, uid, 0, {}, {}, True)
+            gone = views.DaemonSetView(self.policy.daemon_namespace,
+                                       names.daemonset_name(namespace, name), "", uid, name,
+                                       0, 0, 0, 0, None, None, namespace, uid)
+            await self._delete_daemonset(ref, gone, "its cache is deleted")
         for node in state.nodes_labelled(names.node_label_name(namespace, name)):
             await self.node_label(state, node, namespace, name, exclude=uid)
         for pod in state.engine_pods(namespace):

@@ -41,10 +41,11 @@ class CacheRef:
     generation: int
 
 
-def selector_labels(cache_name: str) -> dict[str, str]:
+def selector_labels(cache_namespace: str, cache_name: str) -> dict[str, str]:
     """Labels that select a cache's daemon pods; fixed for the DaemonSet's life."""
     return {
         names.CACHE_LABEL: cache_name,
+        names.CACHE_NAMESPACE_LABEL: cache_namespace,
         names.COMPONENT_LABEL: names.DAEMON_COMPONENT,
         names.MANAGED_BY_LABEL: names.MANAGER,
     }
@@ -62,12 +63,20 @@ def render_hash(manifest: dict[str, Any]) -> str:
 def render_daemonset(
     cache: CacheRef, spec: WeightCacheSpec, spec_hash: str, policy: Policy, operator_uid: int
 ) -> dict[str, Any]:
-    """The DaemonSet for `spec`; `RenderError` (`PolicyViolation`) says why there is none."""
+    """The DaemonSet for `spec`, in the policy's daemon namespace; `RenderError`
+    (`PolicyViolation`) says why there is none.
+
+    It lives in the daemon namespace, not the cache's, so that only that namespace
+    needs Pod Security `privileged`. Owner references cannot cross namespaces: the
+    cache's uid travels as an annotation, and the operator's finalizer deletes the
+    DaemonSet when the cache goes.
+    """
     try:
         image = check_spec(spec, policy, operator_uid)
     except PolicyError as exc:
         raise PolicyViolation(str(exc)) from None
-    assert policy.setup_image is not None  # check_spec refuses a policy without one
+    # check_spec refuses a policy without either
+    assert policy.setup_image is not None and policy.daemon_namespace is not None
     cache_dir = _cache_dir(cache)
     socket_path = f"{CONTAINER_SOCKET_ROOT}/{cache_dir}/" + "x" * LONGEST_SOCKET_NAME
     if len(socket_path.encode()) > MAX_SOCKET_PATH_BYTES:
@@ -79,7 +88,7 @@ def render_daemonset(
         )
 
     labels = {
-        **selector_labels(cache.name),
+        **selector_labels(cache.namespace, cache.name),
         "app.kubernetes.io/name": "weightcache-daemon",
         "app.kubernetes.io/instance": cache.name,
     }
@@ -126,23 +135,16 @@ def render_daemonset(
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": {
-            "name": names.daemonset_name(cache.name),
-            "namespace": cache.namespace,
+            "name": names.daemonset_name(cache.namespace, cache.name),
+            "namespace": policy.daemon_namespace,
             "labels": labels,
-            "annotations": {names.GENERATION_ANNOTATION: str(cache.generation)},
-            "ownerReferences": [
-                {
-                    "apiVersion": names.API_VERSION,
-                    "kind": names.KIND,
-                    "name": cache.name,
-                    "uid": cache.uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "annotations": {
+                names.GENERATION_ANNOTATION: str(cache.generation),
+                names.CACHE_UID_ANNOTATION: cache.uid,
+            },
         },
         "spec": {
-            "selector": {"matchLabels": selector_labels(cache.name)},
+            "selector": {"matchLabels": selector_labels(cache.namespace, cache.name)},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {
                 "maxUnavailable": spec.rollout.max_unavailable}},
             "revisionHistoryLimit": 5,

@@ -28,6 +28,8 @@ class State:
     daemon_pods_index: Index  # (namespace, cache, node or None) -> DaemonPodView
     engine_pods_index: Index  # (namespace, node or None) -> EnginePodView
     nodes: Index  # node name -> NodeView
+    # Where caches' DaemonSets live (the policy's daemonNamespace).
+    daemon_namespace: str = ""
 
     def cache(self, namespace: str, name: str) -> views.CacheView | None:
         return next((c for c in self.caches.get(namespace, []) if c.name == name), None)
@@ -46,17 +48,42 @@ class State:
             key=lambda c: (c.namespace, c.name),
         )
 
+    def _daemonsets(self, cache: views.CacheView) -> list[views.DaemonSetView]:
+        return list(self.daemonsets.get((cache.namespace, cache.name), []))
+
     def daemonset(self, cache: views.CacheView) -> views.DaemonSetView | None:
-        """The cache's own DaemonSet: its name, owned by the cache (labels can be copied)."""
-        wanted = names.daemonset_name(cache.name)
-        return next(
-            (
-                d
-                for d in self.daemonsets.get((cache.namespace, cache.name), [])
-                if d.name == wanted and d.controller_uid == cache.uid
-            ),
-            None,
-        )
+        """The cache's own DaemonSet (labels can be copied): in the daemon namespace, by its
+        name and the cache's uid; else, until it is migrated, the older one in the cache's
+        namespace that the cache owns."""
+        wanted = names.daemonset_name(cache.namespace, cache.name)
+        current = next((d for d in self._daemonsets(cache)
+                        if not d.legacy and d.namespace == self.daemon_namespace
+                        and d.name == wanted and d.cache_uid == cache.uid), None)
+        return current or self.legacy_daemonset(cache)
+
+    def legacy_daemonset(self, cache: views.CacheView) -> views.DaemonSetView | None:
+        """The cache's DaemonSet of the older layout: `weightcache-<name>` in its own
+        namespace, controlled by the cache (migrated away by the operator)."""
+        wanted = names.legacy_daemonset_name(cache.name)
+        return next((d for d in self._daemonsets(cache)
+                     if d.legacy and d.namespace == cache.namespace and d.name == wanted
+                     and d.controller_uid == cache.uid), None)
+
+    def stale_daemonset(self, cache: views.CacheView) -> views.DaemonSetView | None:
+        """A DaemonSet under the cache's name in the daemon namespace made for another
+        cache of that name (one deleted while the operator could not clean up)."""
+        wanted = names.daemonset_name(cache.namespace, cache.name)
+        return next((d for d in self._daemonsets(cache)
+                     if not d.legacy and d.namespace == self.daemon_namespace
+                     and d.name == wanted and d.cache_uid != cache.uid), None)
+
+    def legacy_pods(self, cache: views.CacheView) -> list[views.DaemonPodView]:
+        """Daemon pods of the older layout still running for the cache (in its namespace,
+        outside the daemon namespace): they hold the devices' locks until they exit."""
+        return [p for key in list(self.daemon_pods_index)
+                if key[0] == cache.namespace and key[1] == cache.name
+                for p in self.daemon_pods_index.get(key, [])
+                if p.namespace == cache.namespace and p.namespace != self.daemon_namespace]
 
     def daemon_pods(self, cache: views.CacheView) -> list[views.DaemonPodView]:
         """Every daemon pod the cache's own DaemonSet made; look-alikes are ignored."""

@@ -50,6 +50,8 @@ class DaemonPodView:
     created: str
     # uid of the owner reference marked controller (the DaemonSet that made the pod).
     controller_uid: str | None = None
+    # The cache's namespace (its label); the pod lives in the daemon namespace.
+    cache_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,14 @@ class DaemonSetView:
     observed_generation: int
     applied_generation: int | None
     render_hash: str | None
+    # The cache's namespace and uid (label, annotation); empty on a DaemonSet of the
+    # layout before daemons moved to the daemon namespace (in the cache's own, owned by it).
+    cache_namespace: str = ""
+    cache_uid: str | None = None
+
+    @property
+    def legacy(self) -> bool:
+        return not self.cache_namespace
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,12 @@ def _controller_uid(meta: Mapping[str, Any]) -> str | None:
         if ref.get("controller"):
             return ref.get("uid")
     return None
+
+
+def _cache_namespace(meta: Mapping[str, Any]) -> str:
+    """The cache's namespace: its label, else (the older layout) the object's own."""
+    return (meta.get("labels") or {}).get(names.CACHE_NAMESPACE_LABEL) or meta.get(
+        "namespace", "")
 
 
 def _conditions(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -134,6 +150,7 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
         spec_hash=annotations.get(names.SPEC_HASH_ANNOTATION),
         created=str(meta.get("creationTimestamp") or ""),
         controller_uid=_controller_uid(meta),
+        cache_namespace=_cache_namespace(meta),
     )
 
 
@@ -180,6 +197,8 @@ def daemonset_view(body: Mapping[str, Any]) -> DaemonSetView:
         observed_generation=int(status.get("observedGeneration") or 0),
         applied_generation=int(applied) if applied and applied.isdigit() else None,
         render_hash=annotations.get(names.RENDER_HASH_ANNOTATION),
+        cache_namespace=(meta.get("labels") or {}).get(names.CACHE_NAMESPACE_LABEL, ""),
+        cache_uid=annotations.get(names.CACHE_UID_ANNOTATION),
     )
 
 

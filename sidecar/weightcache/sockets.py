@@ -2,7 +2,8 @@
 
 The daemon serves engines on ``<dir>/<socket>`` and engines offer their fds
 back to a restarting daemon on ``<dir>/engines/<name>.sock``; both sides check
-who is on the other end (``SO_PEERCRED``) against a :class:`PeerPolicy`, and
+who is on the other end (``SO_PEERCRED``, and the supplementary groups from
+``SO_PEERGROUPS``) against a :class:`PeerPolicy`, and
 both publish a listener only once it has its final mode
 (:func:`listen_unix`). The daemon's side of re-adoption lives in
 ``weightcache.daemon.readopt``, the engine's in ``weightcache.handback``.
@@ -22,6 +23,11 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")
+# Linux >= 4.13; Python names no constant for it. The peer's supplementary groups
+# as they were at connect(): how an engine pod whose primary group is its own
+# reaches the daemon through the group the webhook adds (supplementalGroups).
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+MAX_PEER_GROUPS = 256
 # Directories are opened, never followed: a symlink planted there is refused.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 SOCKET_MODE = 0o660
@@ -32,13 +38,14 @@ ENGINES_DIR = "engines"
 
 @dataclass(frozen=True)
 class PeerPolicy:
-    """Who may connect: a peer passes if its uid or its gid is listed."""
+    """Who may connect: a peer passes if its uid, its gid or one of its supplementary groups
+    is listed."""
 
     uids: frozenset[int]
     gids: frozenset[int] = frozenset()
 
-    def allows(self, uid: int, gid: int) -> bool:
-        return uid in self.uids or gid in self.gids
+    def allows(self, uid: int, gid: int, groups: tuple[int, ...] = ()) -> bool:
+        return uid in self.uids or gid in self.gids or not self.gids.isdisjoint(groups)
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -47,6 +54,15 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
         conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     )
     return pid, uid, gid
+
+
+def peer_groups(conn: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups from the kernel; () where SO_PEERGROUPS is missing."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_PEER_GROUPS)
+    except OSError:
+        return ()  # an old kernel, or more groups than we read: primary gid and uid only
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
 def engines_dir(daemon_socket_path: str) -> str:

@@ -27,6 +27,7 @@ from tests.k8s.operator_flow import (
     Scene,
     install_crd,
     install_operator_account,
+    operator_policy,
 )
 from tools.testenv import assets, hostpkgs, images
 from tools.testenv.cluster import Cluster, interrupt_on_termination
@@ -131,9 +132,11 @@ def operator_home(cluster: Cluster) -> str:
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster, operator_home: str, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[OperatorProcess]:
-    """The operator as a process, one per test module, under exactly OPERATOR_RULES."""
+    """The operator as a process, one per test module, under exactly OPERATOR_RULES (and the
+    daemon namespace's rules in its home, where it runs the caches' DaemonSets)."""
     kubeconfig = install_operator_account(cluster, operator_home, OPERATOR_SA)
-    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
+    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log",
+                         operator_policy(operator_home))
     op.start()
     yield op
     op.stop()

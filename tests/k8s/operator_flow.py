@@ -1,7 +1,8 @@
 """Building blocks for end-to-end tests of the operator on the local control plane.
 
 Real parts only: the operator runs as its own process under a ServiceAccount
-bound to exactly `weightcache_operator.rbac.OPERATOR_RULES`; the daemon is the
+bound to exactly `weightcache_operator.rbac.OPERATOR_RULES` (and, in the daemon
+namespace, `OPERATOR_DAEMON_NAMESPACE_RULES`); the daemon is the
 real `weightcache-sidecar serve` on the MiniLM checkpoint (CPU, memfd),
 reporting into a kwok daemon pod with the daemon ServiceAccount's token.
 The Helm chart's tests reuse these with the chart's ServiceAccount.
@@ -75,12 +76,13 @@ def minilm_tensor_bytes() -> int:
     return total
 
 
-def operator_policy() -> dict[str, Any]:
+def operator_policy(daemon_namespace: str) -> dict[str, Any]:
     """The cache policy the tests' operators run with: the chart's defaults plus MiniLM."""
     return {
         "setupImage": "localhost/weightcache-operator:test",
         "sidecarImage": "localhost/weightcache-sidecar:test",
         "daemonServiceAccount": DAEMON_SA,
+        "daemonNamespace": daemon_namespace,
         "allowedHostPaths": {"socketDirs": [SOCKET_ROOT], "modelDirs": [str(minilm_dir())]},
         "allowedTransports": ["auto", "vmm_fd", "memfd"],
     }
@@ -103,7 +105,8 @@ def operator_role_name(namespace: str, name: str) -> str:
 
 
 def install_operator_account(cluster: Cluster, namespace: str, name: str) -> Path:
-    """ServiceAccount + ClusterRole(OPERATOR_RULES) + binding; returns its kubeconfig."""
+    """ServiceAccount + ClusterRole(OPERATOR_RULES) + binding, and in its own namespace (the
+    daemon namespace) Role(OPERATOR_DAEMON_NAMESPACE_RULES) + binding; returns its kubeconfig."""
     role = operator_role_name(namespace, name)
     apply(
         cluster,
@@ -111,6 +114,8 @@ def install_operator_account(cluster: Cluster, namespace: str, name: str) -> Pat
          "metadata": {"name": name, "namespace": namespace}},
         rbac.cluster_role(role, rbac.OPERATOR_RULES),
         rbac.binding("ClusterRoleBinding", role, "ClusterRole", role, name, namespace),
+        rbac.role(role, namespace, rbac.OPERATOR_DAEMON_NAMESPACE_RULES),
+        rbac.binding("RoleBinding", role, "Role", role, name, namespace, namespace),
     )
     return cluster.service_account_kubeconfig(namespace, name)
 
@@ -185,19 +190,22 @@ class Api:
     def status(self, namespace: str, name: str) -> dict[str, Any]:
         return (self.cache(namespace, name) or {}).get("status") or {}
 
+    @staticmethod
+    def _selector(namespace: str, cache: str) -> str:
+        return f"{names.CACHE_LABEL}={cache},{names.CACHE_NAMESPACE_LABEL}={namespace}"
+
     def daemonset(self, namespace: str, cache: str) -> k8s.V1DaemonSet | None:
-        try:
-            return self.apps.read_namespaced_daemon_set(names.daemonset_name(cache), namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        """The cache's DaemonSet, wherever the operator put it (the daemon namespace)."""
+        found = [d for d in self.apps.list_daemon_set_for_all_namespaces(
+                     label_selector=self._selector(namespace, cache)).items
+                 if d.metadata.name == names.daemonset_name(namespace, cache)]
+        return found[0] if found else None
 
     def daemon_pods(self, namespace: str, cache: str) -> list[k8s.V1Pod]:
         """The pods the cache's DaemonSet made (labels alone can be copied by anyone)."""
         return [
-            p for p in self.core.list_namespaced_pod(
-                namespace, label_selector=f"{names.CACHE_LABEL}={cache}").items
+            p for p in self.core.list_pod_for_all_namespaces(
+                label_selector=self._selector(namespace, cache)).items
             if any(ref.kind == "DaemonSet" and ref.controller
                    for ref in p.metadata.owner_references or [])
         ]
@@ -241,12 +249,13 @@ def rollout_complete(api: Api, namespace: str, name: str) -> bool:
 class OperatorProcess:
     """`python -m weightcache_operator run` with only the given kubeconfig's rights."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path,
-                 policy: dict[str, Any] | None = None,
+    def __init__(self, kubeconfig: Path, log_path: Path, policy: dict[str, Any],
                  env: dict[str, str] | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
-        self.policy = policy if policy is not None else operator_policy()
+        self.policy = policy
+        # Where it runs the caches' DaemonSets.
+        self.daemon_namespace: str = policy.get("daemonNamespace", "")
         # Extra environment, e.g. PYTHONPATH to run another checkout's operator.
         self.extra_env = dict(env or {})
         self.metrics_port, self.liveness_port = free_ports(2)
@@ -318,9 +327,11 @@ class DaemonProcess:
     """The real daemon on the MiniLM checkpoint, reporting into a kwok daemon pod."""
 
     def __init__(self, kubeconfig: Path, namespace: str, cache: str, pod: str, spec_hash: str,
-                 log_path: Path, node: str) -> None:
+                 log_path: Path, node: str, pod_namespace: str) -> None:
+        """`namespace`: the cache's; `pod_namespace`: its daemon pod's (the daemon namespace)."""
         self.kubeconfig = kubeconfig
         self.namespace, self.cache, self.pod, self.node = namespace, cache, pod, node
+        self.pod_namespace = pod_namespace
         self.spec_hash = spec_hash
         self.log_path = log_path
         # Short: the socket path must fit in 107 bytes.
@@ -331,7 +342,7 @@ class DaemonProcess:
         (http_port,) = free_ports(1)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env.update(KUBECONFIG=str(self.kubeconfig), POD_NAME=self.pod,
-                   POD_NAMESPACE=self.namespace,
+                   POD_NAMESPACE=self.pod_namespace,
                    **{SPEC_HASH_ENV: self.spec_hash, NODE_NAME_ENV: self.node})
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -407,7 +418,9 @@ class Scene:
         self.name = name or f"mini-{namespace[2:8]}"
         self.node = cluster.node_names[0]
         self.logs = logs
-        self.daemon_kubeconfig = install_daemon_account(cluster, namespace)
+        # The daemons run in the operator's daemon namespace, never the cache's.
+        self.daemon_namespace = operator.daemon_namespace
+        self.daemon_kubeconfig = install_daemon_account(cluster, self.daemon_namespace)
         self.daemons: list[DaemonProcess] = []
 
     def apply_cache(self, **spec: object) -> None:
@@ -431,7 +444,7 @@ class Scene:
         daemon = DaemonProcess(
             self.daemon_kubeconfig, self.namespace, self.name, self.daemon_pod().metadata.name,
             spec_hash or self.spec_hash(), self.logs / f"daemon-{len(self.daemons)}.log",
-            self.node,
+            self.node, self.daemon_namespace,
         )
         daemon.start()
         self.daemons.append(daemon)

@@ -72,7 +72,7 @@ def test_a_look_alike_daemon_pod_opens_no_gate(
     api.core.create_namespaced_pod(ns, {
         "metadata": {
             "name": "look-alike",
-            "labels": render.selector_labels(name),
+            "labels": render.selector_labels(ns, name),
             "annotations": forged,
             "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "bait",
                                  "uid": bait.metadata.uid, "controller": True}],
@@ -157,7 +157,8 @@ def test_gates_follow_the_daemons_when_status_writes_are_refused(
         for daemon in scene.daemons:
             daemon.stop()
         pod = scene.daemon_pod()
-        api.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+        api.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
+                                       grace_period_seconds=0)
         # The DaemonSet replaces the pod at once; the new one has no report yet.
         closed = eventually("the gate closes", lambda: next(
             (p for p in api.engine_pods(ns, name, "v1") if (gate_of(p) or ("",))[0] == "False"),
@@ -218,6 +219,10 @@ def test_the_largest_status_reports_can_produce_is_accepted(
     assert stored["status"]["nodesOmitted"] == 200 - len(result.status["nodes"])
     # Well inside etcd's 1.5 MiB object limit, with room for the spec.
     assert len(json.dumps(stored)) < 1024 * 1024
+    # Not for other modules' operators to trip over (its claim is no allowed one).
+    cluster.kubectl("patch", "wc", "big", "-n", namespace, "--type=merge",
+                    "-p", '{"metadata":{"finalizers":null}}')
+    cluster.kubectl("delete", "wc", "big", "-n", namespace, "--wait=false")
 
 
 def test_pod_security_restricted_admits_the_operator_but_no_daemon(
@@ -247,14 +252,14 @@ def test_pod_security_restricted_admits_the_operator_but_no_daemon(
             p for p in api.core.list_namespaced_pod(restricted).items
             if p.metadata.labels.get("app.kubernetes.io/component") == "operator"])
 
-        policy = Policy(setup_image="op:1",
-                        allowed_host_paths=HostPaths((SOCKET_ROOT,), ("/models",)))
         cache = parse_spec({"model": {"path": "/models/m"}, "device": "cpu",
                             "sidecar": {"image": "s:1"}})
         for ns in (restricted, privileged):
-            ds = render.render_daemonset(render.CacheRef(ns, "psa", "uid", 1), cache,
+            # Rendered as if each were the daemon namespace.
+            policy = Policy(setup_image="op:1", daemon_namespace=ns,
+                            allowed_host_paths=HostPaths((SOCKET_ROOT,), ("/models",)))
+            ds = render.render_daemonset(render.CacheRef("team", "psa", "uid", 1), cache,
                                          spec_hash(cache), policy, operator_uid=65532)
-            del ds["metadata"]["ownerReferences"]  # no such WeightCache here
             pod_spec = ds["spec"]["template"]["spec"]
             pod_spec["nodeSelector"] = {"kubernetes.io/hostname": cluster.node_names[0]}
             api.apps.create_namespaced_daemon_set(ns, ds)

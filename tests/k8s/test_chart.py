@@ -13,14 +13,16 @@ nothing behind.
 
 kwok runs no containers: the chart's operator and helm-test pods are
 simulated, so the operator process and the helm-test pod's own script run on
-this machine against the same endpoints. Waits poll for a state with a
-generous bound; nothing asserts on time.
+this machine against the same endpoints. The caches live in a namespace of
+their own; their daemons run in the chart's (the daemon namespace). Waits poll
+for a state with a generous bound; nothing asserts on time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -110,7 +112,6 @@ def release(cluster: Cluster) -> Iterator[Release]:
     helm(
         cluster, "install", rel.name, str(CHART),
         "--namespace", rel.namespace, "--create-namespace",
-        "--set", f"daemon.namespaces={{{rel.cache_namespace}}}",
         # The tests' checkpoint lives in the venv; a real cluster keeps models under /models.
         "--set", f"cachePolicy.allowedHostPaths.modelDirs={{/models,{minilm_dir()}}}",
         "--set",
@@ -122,6 +123,12 @@ def release(cluster: Cluster) -> Iterator[Release]:
         helm(cluster, "uninstall", rel.name, "-n", rel.namespace, "--wait")
     cluster.kubectl("delete", "namespace", rel.cache_namespace, rel.namespace, "--wait=false",
                     check=False)
+
+
+def ours(log_line: str, rel: Release) -> bool:
+    """Whether an operator log line is about this release's namespaces (or no namespace)."""
+    found = re.search(r"/namespaces/([^/\s]+)/", log_line)
+    return found is None or found.group(1) in (rel.cache_namespace, rel.namespace)
 
 
 def token_kubeconfig(cluster: Cluster, path: Path, namespace: str, account: str,
@@ -147,9 +154,11 @@ class ChartOperator(OperatorProcess):
     """
 
     def __init__(self, cluster: Cluster, rel: Release, config: Path, log_path: Path) -> None:
-        super().__init__(config, log_path)
         deployment = get(cluster, "deployment", "-n", rel.namespace, rel.fullname)
         self.container = deployment["spec"]["template"]["spec"]["containers"][0]
+        policy = next(e["value"] for e in self.container["env"]
+                      if e["name"] == "WEIGHTCACHE_POLICY")
+        super().__init__(config, log_path, json.loads(policy))
 
     def argv(self) -> list[str]:
         c = self.container
@@ -194,12 +203,13 @@ class Flow:
     def start_daemon(self, pod: k8s.V1Pod, spec_hash: str | None = None) -> DaemonProcess:
         """The real daemon as `pod`, with a token of the pod's ServiceAccount bound to it."""
         n = len(self.daemons)
-        config = token_kubeconfig(self.cluster, self.logs / f"daemon-{n}.kubeconfig", self.ns,
-                                  pod.spec.service_account_name, bound_pod=pod)
+        config = token_kubeconfig(self.cluster, self.logs / f"daemon-{n}.kubeconfig",
+                                  pod.metadata.namespace, pod.spec.service_account_name,
+                                  bound_pod=pod)
         ds = self.api.daemonset(self.ns, self.name)
         daemon = DaemonProcess(config, self.ns, self.name, pod.metadata.name,
                                spec_hash or template_spec_hash(ds), self.logs / f"daemon-{n}.log",
-                               pod.spec.node_name)
+                               pod.spec.node_name, pod.metadata.namespace)
         daemon.start()
         self.daemons.append(daemon)
         return daemon
@@ -239,8 +249,9 @@ class Flow:
                                  "-p", '{"metadata":{"finalizers":null}}', check=False)
             self.cluster.kubectl("delete", "wc", "-n", ns, name, "--ignore-not-found",
                                  check=False)
-        self.cluster.kubectl("delete", "daemonset", "-n", ns, names.daemonset_name(name),
-                             "--ignore-not-found", "--wait=false", check=False)
+        self.cluster.kubectl("delete", "daemonset", "-n", self.rel.namespace,
+                             names.daemonset_name(ns, name), "--ignore-not-found",
+                             "--wait=false", check=False)
         self.cluster.kubectl("label", "node", self.node, f"{names.node_label_key(ns, name)}-",
                              check=False)
 
@@ -272,11 +283,15 @@ def test_operator_with_chart_rbac_gates_the_rollout(
     ns, name = flow.ns, flow.name
     operator.start()
     try:
-        # Applying a WeightCache creates the DaemonSet; its pods run as the chart's daemon SA.
+        # Applying a WeightCache creates the DaemonSet, in the chart's namespace (not the
+        # cache's); its pods run as the chart's daemon SA there.
         flow.apply_cache()
-        eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
+        ds = eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
+        assert ds.metadata.namespace == rel.namespace
+        assert not ds.metadata.owner_references
         pod = eventually("the daemon pod runs on the kwok node", flow.daemon_pod)
         assert pod.spec.service_account_name == rel.daemon_account
+        assert pod.metadata.namespace == rel.namespace
         flow.status_where("a status", lambda s: s.get("phase") == "Loading")
 
         # Engines serve; rolling to a gated version while no daemon reports holds.
@@ -329,16 +344,18 @@ def test_operator_with_chart_rbac_gates_the_rollout(
         assert check.returncode == 0, check.stderr
         assert "operator is serving" in check.stdout
 
-        # Deleting the WeightCache removes the DaemonSet (GC), the label, the open gate.
+        # Deleting the WeightCache removes the DaemonSet (the finalizer), the label, the gate.
         kubectl(cluster, "delete", "wc", "-n", ns, name, "--timeout=60s")
-        eventually("the DaemonSet is garbage-collected", lambda: api.daemonset(ns, name) is None)
+        eventually("the DaemonSet is deleted", lambda: api.daemonset(ns, name) is None)
         eventually("the node label is removed", lambda: flow.label() is None)
         flow.engine("v2", ("False", "NoWeightCache"))
         for daemon in flow.daemons:
             assert "Forbidden" not in daemon.log_tail(400), daemon.log_tail()
-        # Earlier tests' namespaces may still be terminating; writes there are refused too.
+        # Earlier tests' namespaces may still be terminating, and hold caches of their own
+        # this cluster's cache policy refuses: writes there are refused too.
         refused = [line for line in operator.log().splitlines()
-                   if "Forbidden" in line and "because it is being terminated" not in line]
+                   if "Forbidden" in line and "because it is being terminated" not in line
+                   and ours(line, rel)]
         assert not refused, "\n".join(refused)
     finally:
         flow.force_cleanup()
@@ -347,10 +364,13 @@ def test_operator_with_chart_rbac_gates_the_rollout(
 
 # --------------------------------------------------------------------------- every verb is used
 
-# (apiGroup, resource, verb) the operator's ClusterRole grants, one test each.
+# (role, apiGroup, resource, verb): every grant of the operator's ClusterRole and of its Role
+# in the daemon namespace, one test each.
 GRANTS = [
-    (group, resource, verb)
-    for rule in rbac.OPERATOR_RULES
+    (kind, group, resource, verb)
+    for kind, rules in (("ClusterRole", rbac.OPERATOR_RULES),
+                        ("Role", rbac.OPERATOR_DAEMON_NAMESPACE_RULES))
+    for rule in rules
     for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]
 ]
 
@@ -368,53 +388,57 @@ def without(rules: list[dict[str, Any]], group: str, resource: str, verb: str
     return out
 
 
-# Finalizer rights are checked by the OwnerReferencesPermissionEnforcement
-# admission plugin (for the DaemonSet's blockOwnerDeletion owner reference),
-# which words its refusal differently from RBAC.
-OWNER_REFERENCE_REFUSAL = "set blockOwnerDeletion if an ownerReference refers to a resource"
-
-
 def forbidden(verb: str, resource: str, group: str) -> str:
     """The apiserver's wording when that grant is missing."""
-    if resource.endswith("/finalizers"):
-        return f"cannot {OWNER_REFERENCE_REFUSAL}"
     return f'cannot {verb} resource "{resource}" in API group "{group}"'
 
 
-
-
 @pytest.mark.parametrize(
-    ("group", "resource", "verb"),
+    ("kind", "group", "resource", "verb"),
     GRANTS,
-    ids=[f"{r}-{v}" for _, r, v in GRANTS],
+    ids=[f"{k}-{r}-{v}" for k, _, r, v in GRANTS],
 )
-def test_each_verb_of_the_cluster_role_is_used(
+def test_each_verb_of_the_operators_roles_is_used(
     cluster: Cluster, release: Release, api: Api, tmp_path: Path,
-    group: str, resource: str, verb: str,
+    kind: str, group: str, resource: str, verb: str,
 ) -> None:
-    """Drive the flow under the chart's ClusterRole minus one verb: the operator hits Forbidden."""
+    """Drive the flow (a cache, its daemon reporting, an engine, the cache deleted) under the
+    chart's ClusterRole and daemon-namespace Role minus one verb: the operator hits Forbidden."""
     rel = release
-    installed = get(cluster, "clusterrole", rel.fullname)["rules"]
-    reduced = without(installed, group, resource, verb)
-    grants = sum(len(r["verbs"]) for r in without(installed, "", "", ""))
-    assert sum(len(r["verbs"]) for r in reduced) == grants - 1
+    installed = {
+        "ClusterRole": get(cluster, "clusterrole", rel.fullname)["rules"],
+        "Role": get(cluster, "role", "-n", rel.namespace, f"{rel.fullname}-daemons")["rules"],
+    }
+    reduced = {k: without(rules, *((group, resource, verb) if k == kind else ("", "", "")))
+               for k, rules in installed.items()}
+    grants = sum(len(r["verbs"]) for rules in installed.values() for r in without(rules, "", "",
+                                                                                   ""))
+    assert sum(len(r["verbs"]) for rules in reduced.values() for r in rules) == grants - 1
     account = f"{rel.fullname}-minus"
+    subject = [{"kind": "ServiceAccount", "name": account, "namespace": rel.namespace}]
     objects = [
         {"apiVersion": "v1", "kind": "ServiceAccount",
          "metadata": {"name": account, "namespace": rel.namespace}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": account}, "rules": reduced},
+         "metadata": {"name": account}, "rules": reduced["ClusterRole"]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
          "metadata": {"name": account},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                      "name": account},
-         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": rel.namespace}]},
+         "subjects": subject},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": account, "namespace": rel.namespace}, "rules": reduced["Role"]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": account, "namespace": rel.namespace},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+         "subjects": subject},
     ]
     apply(cluster, *objects)
     wanted = [forbidden(verb, resource, group)]
     config = token_kubeconfig(cluster, tmp_path / "minus.kubeconfig", rel.namespace, account)
     operator = ChartOperator(cluster, rel, config, tmp_path / "operator.log")
     flow = Flow(cluster, rel, api, cluster.node_names[1], tmp_path)
+    deleted = False
     try:
         # Without list or watch kopf never gets going: do not wait for its liveness.
         operator.start(wait=False)
@@ -422,16 +446,22 @@ def test_each_verb_of_the_cluster_role_is_used(
         flow.deploy_engine("v1", gated=True)
 
         def hit() -> bool:
+            nonlocal deleted
             operator.check_running()
             if any(w in operator.log() for w in wanted):
                 return True
             pod = None if flow.daemons else flow.daemon_pod()
             if pod is not None:
                 flow.start_daemon(pod)
+            if not deleted and flow.daemons and api.status(flow.ns, flow.name).get(
+                    "phase") == "Ready":
+                # The last step of a cache's life: its finalizer deletes the DaemonSet.
+                cluster.kubectl("delete", "wc", "-n", flow.ns, flow.name, "--wait=false")
+                deleted = True
             return False
 
         try:
-            eventually(f"Forbidden: {' or '.join(wanted)}", hit, bound=120)
+            eventually(f"Forbidden: {' or '.join(wanted)}", hit, bound=150)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- operator log ---\n{operator.log_tail()}") from None
         # Nothing else was refused: the one missing grant is the one that broke the flow.
@@ -442,8 +472,9 @@ def test_each_verb_of_the_cluster_role_is_used(
         operator.stop()
         flow.force_cleanup()
         for obj in reversed(objects):
+            namespaced = obj["kind"] in ("ServiceAccount", "Role", "RoleBinding")
             cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"],
-                            *(["-n", rel.namespace] if obj["kind"] == "ServiceAccount" else []),
+                            *(["-n", rel.namespace] if namespaced else []),
                             "--wait=false", check=False)
 
 
@@ -453,8 +484,9 @@ def test_each_verb_of_the_cluster_role_is_used(
 def test_daemon_token_may_write_only_its_own_report(
     cluster: Cluster, release: Release, api: Api, tmp_path: Path
 ) -> None:
-    """RBAC (patch pods) and the report guard together: report annotations of one pod."""
-    rel, ns = release, release.cache_namespace
+    """RBAC (patch pods) and the report guard together: report annotations of one pod, in the
+    daemon namespace (the chart's), where the daemon account lives."""
+    rel, ns = release, release.namespace
     for name in ("guard-a", "guard-b"):
         apply(cluster, {
             "apiVersion": "v1", "kind": "Pod",
@@ -501,7 +533,7 @@ def test_daemon_token_may_write_only_its_own_report(
         "create": lambda: as_bound.create_namespaced_pod(ns, {
             "metadata": {"name": "x"}, "spec": {"containers": [{"name": "x", "image": "x"}]}}),
         "another namespace": lambda: as_bound.patch_namespaced_pod(
-            "guard-a", rel.namespace, {"metadata": {"annotations": report}}),
+            "guard-a", rel.cache_namespace, {"metadata": {"annotations": report}}),
     }
     for what, attempt in refused.items():
         with pytest.raises(ApiException) as err:
@@ -576,9 +608,10 @@ def test_uninstall_leaves_no_operator_objects(cluster: Cluster, release: Release
     left = kubectl(cluster, "get", ",".join(kinds), "--all-namespaces", "-o", "name",
                    "-l", f"app.kubernetes.io/instance={rel.name}").split()
     assert left == []
-    assert kubectl(cluster, "get", "daemonsets,serviceaccounts,roles,rolebindings", "-n",
-                   rel.cache_namespace, "-o", "name",
-                   "-l", "app.kubernetes.io/part-of=weightcache").split() == []
+    for namespace in (rel.cache_namespace, rel.namespace):
+        assert kubectl(cluster, "get", "daemonsets,serviceaccounts,roles,rolebindings", "-n",
+                       namespace, "-o", "name",
+                       "-l", "app.kubernetes.io/part-of=weightcache").split() == []
     names = [rel.fullname, f"{rel.fullname}-daemon-report-guard"]
     for kind in ("clusterrole", "clusterrolebinding", "validatingadmissionpolicy",
                  "validatingadmissionpolicybinding"):

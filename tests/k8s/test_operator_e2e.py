@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 
+from tests.k8s.conftest import OPERATOR_SA
 from tests.k8s.operator_flow import (
     CPU_REPORT,
     SOCKET_ROOT,
     Api,
     OperatorProcess,
     Scene,
+    apply,
     eventually,
     gate_of,
     install_crd,
@@ -28,6 +30,7 @@ from tests.k8s.operator_flow import (
     weightcache,
 )
 from tools.testenv.cluster import Cluster
+from weightcache_operator import names, rbac
 
 pytestmark = pytest.mark.k8s
 
@@ -47,10 +50,13 @@ def test_rollout_waits_for_verified_weights(scene: Scene, api: Api,
     ns, name = scene.namespace, scene.name
     scene.apply_cache()
 
-    # The DaemonSet is rendered, owned by the cache, and carries the spec hash.
+    # The DaemonSet is rendered into the daemon namespace, names the cache's uid (owner
+    # references cannot cross namespaces), and carries the spec hash.
     ds = eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
-    (owner,) = ds.metadata.owner_references
-    assert (owner.kind, owner.name, owner.controller) == ("WeightCache", name, True)
+    assert ds.metadata.namespace == operator.daemon_namespace != ns
+    assert not ds.metadata.owner_references
+    cache_uid = api.cache(ns, name)["metadata"]["uid"]
+    assert ds.metadata.annotations[names.CACHE_UID_ANNOTATION] == cache_uid
     spec_hash = template_spec_hash(ds)
     daemon_pod = scene.daemon_pod()
     status = scene.status_where(
@@ -141,7 +147,8 @@ def test_operator_killed_mid_rollout_converges(scene: Scene, api: Api,
         daemon = scene.start_daemon()
         eventually(
             "the daemon reports without the operator",
-            lambda: getattr(reports_of(api.core.read_namespaced_pod(daemon.pod, ns)).get("cpu"),
+            lambda: getattr(reports_of(api.core.read_namespaced_pod(
+                daemon.pod, daemon.pod_namespace)).get("cpu"),
                             "state", None) == "Ready",
         )
         # Nobody else opens the gate.
@@ -180,11 +187,101 @@ def test_deleting_the_cache_cleans_up(scene: Scene, api: Api) -> None:
 
     scene.cluster.kubectl("delete", "wc", name, "-n", ns, "--timeout=60s")
     assert api.cache(ns, name) is None
-    eventually("the DaemonSet is garbage-collected", lambda: api.daemonset(ns, name) is None)
+    # The finalizer deleted it: no owner reference reaches the daemon namespace.
+    eventually("the DaemonSet is deleted", lambda: api.daemonset(ns, name) is None)
     eventually("the node label is removed", lambda: scene.label() is None)
     (engine,) = api.engine_pods(ns, name, "v1")
     assert gate_of(engine) == ("False", "NoWeightCache")
     assert not is_ready(engine)
+
+
+def test_a_recreated_cache_finds_no_stale_daemonset(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """The operator was away when the cache went (its finalizer removed by hand): the
+    DaemonSet stayed. A new cache of that name deletes it and starts from its own."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    stale = eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
+    operator.stop()
+    try:
+        scene.cluster.kubectl("patch", "wc", name, "-n", ns, "--type=merge",
+                              "-p", '{"metadata":{"finalizers":null}}')
+        scene.cluster.kubectl("delete", "wc", name, "-n", ns, "--timeout=60s")
+        assert api.daemonset(ns, name).metadata.uid == stale.metadata.uid
+        scene.apply_cache()
+    finally:
+        operator.start()
+    uid = api.cache(ns, name)["metadata"]["uid"]
+
+    def fresh() -> Any:
+        ds = api.daemonset(ns, name)
+        return ds if ds is not None and ds.metadata.uid != stale.metadata.uid else None
+
+    ds = eventually("a DaemonSet of the new cache", fresh)
+    assert ds.metadata.annotations[names.CACHE_UID_ANNOTATION] == uid
+    scene.start_daemon()
+    scene.status_where("the new cache is verified", lambda s: s.get("readyNodes") == 1)
+
+
+def test_a_daemonset_of_the_older_layout_is_migrated_to_the_daemon_namespace(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """Operator upgrade: a cache's DaemonSet still in the cache's own namespace, owned by it.
+
+    Without the migration Role the operator says so in an event and leaves it serving;
+    with it, the operator deletes it once and the cache's DaemonSet comes up in the daemon
+    namespace (whose daemons re-adopt the weights from the running engines: docs/operator.md).
+    """
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    current = eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
+    manifest = api.apps.api_client.sanitize_for_serialization(current)
+    cache = api.cache(ns, name)
+    # What the operator before the move rendered: in the cache's namespace, owned by it.
+    # The new one is deleted by hand meanwhile, standing for "not there yet".
+    old_labels = {k: v for k, v in manifest["metadata"]["labels"].items()
+                  if k != names.CACHE_NAMESPACE_LABEL}
+    selector = {k: v for k, v in manifest["spec"]["selector"]["matchLabels"].items()
+                if k != names.CACHE_NAMESPACE_LABEL}
+    template = manifest["spec"]["template"]
+    template["metadata"]["labels"] = old_labels
+    template["spec"]["serviceAccountName"] = "default"
+    legacy = {
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": names.legacy_daemonset_name(name), "namespace": ns,
+                     "labels": old_labels,
+                     "ownerReferences": [{"apiVersion": names.API_VERSION, "kind": names.KIND,
+                                          "name": name, "uid": cache["metadata"]["uid"],
+                                          "controller": True}]},
+        "spec": {"selector": {"matchLabels": selector}, "template": template},
+    }
+    operator.stop()
+    scene.cluster.kubectl("delete", "daemonset", "-n", current.metadata.namespace,
+                          current.metadata.name, "--wait=true")
+    scene.cluster.kubectl("apply", "-f", "-", input=json.dumps(legacy))
+    eventually("the older DaemonSet's pod runs", lambda: [
+        p for p in api.core.list_namespaced_pod(ns, label_selector=f"{names.CACHE_LABEL}={name}"
+                                                ).items if p.status.phase == "Running"])
+    operator.start()
+    try:
+        assert eventually("the operator says it may not delete it",
+                          lambda: api.events(ns, name, "DaemonSetNotDeleted"))
+        assert api.daemonset(ns, name) is None  # nothing new while the old daemons run
+        apply(scene.cluster,
+              rbac.role("wc-migration", ns, rbac.OPERATOR_MIGRATION_RULES),
+              rbac.binding("RoleBinding", "wc-migration", "Role", "wc-migration",
+                           OPERATOR_SA, operator.daemon_namespace, ns))
+        ds = eventually("the DaemonSet in the daemon namespace", lambda: api.daemonset(ns, name),
+                        bound=150)
+        assert ds.metadata.namespace == operator.daemon_namespace
+        assert api.apps.list_namespaced_daemon_set(
+            ns, label_selector=f"{names.CACHE_LABEL}={name}").items == []
+        scene.start_daemon()
+        scene.status_where("verified from the new daemon", lambda s: s.get("readyNodes") == 1)
+    finally:
+        scene.cluster.kubectl("delete", "rolebinding,role", "wc-migration", "-n", ns,
+                              "--ignore-not-found", check=False)
 
 
 @pytest.mark.parametrize(
@@ -247,8 +344,8 @@ def test_malformed_report_is_ignored_with_an_event(
     ns, name = scene.namespace, scene.name
     scene.apply_cache()
     pod = scene.daemon_pod()
-    api.core.patch_namespaced_pod(pod.metadata.name, ns, {"metadata": {"annotations": {
-        CPU_REPORT: raw(pod.spec.node_name)}}})
+    api.core.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace, {"metadata": {
+        "annotations": {CPU_REPORT: raw(pod.spec.node_name)}}})
     status = scene.status_where("status flags the report",
                                 lambda s: node_entry(s).get("reason") == "ReportMalformed")
     assert detail in node_entry(status)["message"]

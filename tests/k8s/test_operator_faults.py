@@ -101,7 +101,9 @@ class PoolScene:
         self.nodes = [f"kwok-fault-{namespace[2:8]}-{i}" for i in range(node_count)]
         for node in self.nodes:
             create_kwok_node(cluster, api, node, namespace)
-        self.daemon_kubeconfig = install_daemon_account(cluster, namespace)
+        # The daemons run in the operator's daemon namespace, never the cache's.
+        self.daemon_namespace = operator.daemon_namespace
+        self.daemon_kubeconfig = install_daemon_account(cluster, self.daemon_namespace)
         self.daemons: dict[str, DaemonProcess] = {}
         self.held: set[str] = set()
 
@@ -151,6 +153,7 @@ class PoolScene:
             spec_hash or self.spec_hash(),
             self.logs / f"daemon-{node}-{len(list(self.logs.glob('daemon-*')))}.log",
             node,
+            self.daemon_namespace,
         )
         daemon.start()
         self.daemons[node] = daemon
@@ -202,15 +205,16 @@ class PoolScene:
         )
 
     def hold(self, pod: str) -> None:
+        """A finalizer on a daemon pod (in the daemon namespace)."""
         self.api.core.patch_namespaced_pod(
-            pod, self.namespace, {"metadata": {"finalizers": [HOLD]}}
+            pod, self.daemon_namespace, {"metadata": {"finalizers": [HOLD]}}
         )
         self.held.add(pod)
 
     def release(self, pod: str) -> None:
         try:
             self.api.core.patch_namespaced_pod(
-                pod, self.namespace, {"metadata": {"finalizers": None}}
+                pod, self.daemon_namespace, {"metadata": {"finalizers": None}}
             )
         except ApiException as exc:
             if exc.status != 404:
@@ -254,8 +258,9 @@ def pool(
 
 
 def owned_daemonsets(api: Api, namespace: str, cache: str) -> list[k8s.V1DaemonSet]:
-    return api.apps.list_namespaced_daemon_set(
-        namespace, label_selector=f"{names.CACHE_LABEL}={cache}"
+    """Every DaemonSet made for the cache, in any namespace."""
+    return api.apps.list_daemon_set_for_all_namespaces(
+        label_selector=f"{names.CACHE_LABEL}={cache},{names.CACHE_NAMESPACE_LABEL}={namespace}"
     ).items
 
 
@@ -349,24 +354,25 @@ def test_daemon_pod_deleted_closes_its_nodes_gate_until_it_reports_again(
         pool.start_daemon(node)
     pool.all_verified()
 
-    # A namespace quota already full keeps the DaemonSet from recreating the pod,
-    # so the node is seen with no daemon at all.
-    used = len(api.core.list_namespaced_pod(ns).items)
+    # A quota on the daemon namespace, already full, keeps the DaemonSet from recreating
+    # the pod, so the node is seen with no daemon at all.
+    daemons = pool.daemon_namespace
+    used = len(api.core.list_namespaced_pod(daemons).items)
     apply(
         pool.cluster,
         {
             "apiVersion": "v1",
             "kind": "ResourceQuota",
-            "metadata": {"name": "full", "namespace": ns},
+            "metadata": {"name": "full", "namespace": daemons},
             "spec": {"hard": {"pods": str(used - 1)}},
         },
     )
     eventually(
         "the quota counts the pods",
-        lambda: api.core.read_namespaced_resource_quota("full", ns).status.used,
+        lambda: api.core.read_namespaced_resource_quota("full", daemons).status.used,
     )
     old = pool.daemon_pod(hit).metadata.name
-    api.core.delete_namespaced_pod(old, ns)
+    api.core.delete_namespaced_pod(old, daemons)
     pool.stop_daemon(hit)  # the kubelet stops the container of a deleted pod
     pool.wait_gate(hit, lambda g: g == ("False", gate.NO_DAEMON_ON_NODE), "closes")
     eventually("the node label is removed", lambda: pool.label(hit) is None)
@@ -379,10 +385,10 @@ def test_daemon_pod_deleted_closes_its_nodes_gate_until_it_reports_again(
     assert pool.label(other) == "Ready"
 
     # Quota lifted: the DaemonSet recreates the pod, which has not reported yet.
-    api.core.delete_namespaced_resource_quota("full", ns)
+    api.core.delete_namespaced_resource_quota("full", daemons)
     api.apps.patch_namespaced_daemon_set(  # wake the controller out of its backoff
-        names.daemonset_name(name),
-        ns,
+        names.daemonset_name(ns, name),
+        daemons,
         {"metadata": {"annotations": {"test.weightcache.dev/nudge": "1"}}},
     )
     new = pool.daemon_pod(hit, not_named=old).metadata.name

@@ -80,7 +80,8 @@ class Stack:
 
     def daemon_status(self, pod: k8s.V1Pod) -> dict[str, Any]:
         """The daemon's /status through the API server's proxy to the pod."""
-        path = (f"/api/v1/namespaces/{self.namespace}/pods/{pod.metadata.name}:{DAEMON_PORT}"
+        path = (f"/api/v1/namespaces/{pod.metadata.namespace}/pods/{pod.metadata.name}:"
+                f"{DAEMON_PORT}"
                 "/proxy/status")
         return json.loads(self.kubectl("get", "--raw", path))
 
@@ -89,6 +90,7 @@ class Stack:
         return pod is not None and any(r.state == "Ready" for r in reports_of(pod).values())
 
     def logs(self, pod: str, container: str) -> list[dict[str, Any]]:
+        """An engine pod's JSON log lines."""
         text = self.kubectl("logs", "-n", self.namespace, pod, "-c", container)
         events = []
         for line in text.splitlines():
@@ -175,7 +177,6 @@ def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.Im
         "image": {"repository": operator_repo, "tag": operator_tag, "pullPolicy": "Never"},
         "sidecarImage": {"repository": sidecar_repo, "tag": sidecar_tag},
         "nodeSelector": {"kubernetes.io/hostname": real_cluster.real_node_name},
-        "daemon": {"namespaces": [namespace]},
         # The cache policy admits exactly this run's socket root and the checkpoint's directory.
         "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(socket_root)],
                                              "modelDirs": [str(minilm_dir())]}},
@@ -287,7 +288,7 @@ def test_three_rollouts_attach_bit_equal_while_the_weights_stay_resident(stack: 
     status = stack.daemon_status(after)
     assert status["load_source"] == "disk"
     assert status["clients_served"] >= served_before + ROLLS
-    loads = [line for line in stack.kubectl("logs", "-n", stack.namespace,
+    loads = [line for line in stack.kubectl("logs", "-n", SYSTEM_NS,
                                              after.metadata.name, "-c", "daemon").splitlines()
              if "loading from disk" in line]
     assert len(loads) == 1, loads
@@ -300,7 +301,7 @@ def test_a_deleted_daemon_pod_readopts_from_the_running_engine(stack: Stack) -> 
     assert old is not None
     engine_pid = stack.host_pid(engine, "engine")
     before = [e for e in stack.logs(engine.metadata.name, "engine") if e["event"] == "served"]
-    stack.kubectl("delete", "pod", "-n", stack.namespace, old.metadata.name, "--wait=true")
+    stack.kubectl("delete", "pod", "-n", SYSTEM_NS, old.metadata.name, "--wait=true")
     gone = len([e for e in stack.logs(engine.metadata.name, "engine")
                 if e["event"] == "served"])
 
@@ -315,7 +316,7 @@ def test_a_deleted_daemon_pod_readopts_from_the_running_engine(stack: Stack) -> 
     # /status over HTTP leaves the load reason out (docs/security.md); the source says it.
     assert status["load_source"] == "readopted", status
     assert status["readopted"] is True
-    daemon_uid = stack.kubectl("exec", "-n", stack.namespace, new.metadata.name, "-c", "daemon",
+    daemon_uid = stack.kubectl("exec", "-n", SYSTEM_NS, new.metadata.name, "-c", "daemon",
                                "--", "python3", "-c", "import os; print(os.getuid())").strip()
     assert int(daemon_uid) != ENGINE_UID
     # The engine kept serving, in the same process, with the same bits.
@@ -378,7 +379,7 @@ def test_a_hostpath_escape_through_socket_dir_is_refused_on_the_real_kubelet(
             pods = stack.api.daemon_pods(namespace, "evil")
             if not pods:
                 return None
-            logs = stack.cluster.kubectl("logs", "-n", namespace, pods[0].metadata.name,
+            logs = stack.cluster.kubectl("logs", "-n", SYSTEM_NS, pods[0].metadata.name,
                                          "-c", "socket-dir", check=False).stdout
             return logs if "refusing to follow" in logs else None
 

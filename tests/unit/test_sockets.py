@@ -13,6 +13,7 @@ from weightcache.sockets import (
     PeerPolicy,
     listen_unix,
     peer_credentials,
+    peer_groups,
     prepare_socket_dir,
     socket_files,
 )
@@ -71,3 +72,38 @@ def test_peer_policy() -> None:
     policy = PeerPolicy(frozenset({1000}), frozenset({50}))
     assert policy.allows(1000, 7) and policy.allows(7, 50)
     assert not policy.allows(7, 8) and not PeerPolicy(frozenset()).allows(0, 0)
+
+
+def test_a_supplementary_group_admits_a_peer_whose_primary_group_is_its_own() -> None:
+    policy = PeerPolicy(frozenset({65533}), frozenset({65533}))
+    assert policy.allows(1000, 1000, (4, 65533))
+    assert not policy.allows(1000, 1000, (4, 5))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to take another uid and groups")
+def test_the_kernel_reports_the_peers_supplementary_groups(tmp_path: Path) -> None:
+    """What an engine pod with `supplementalGroups: [65533]` looks like to the daemon."""
+    path = str(tmp_path / "d.sock")
+    tmp_path.chmod(0o755)
+    with listen_unix(path, backlog=1) as listener:
+        os.chmod(path, 0o666)
+        child = os.fork()
+        if child == 0:  # the engine: uid 1000, primary gid 1000, supplementary 65533
+            try:
+                os.setgroups([65533])
+                os.setgid(1000)
+                os.setuid(1000)
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(path)
+                    s.recv(1)
+            finally:
+                os._exit(0)
+        conn, _ = listener.accept()
+        with conn:
+            _, uid, gid = peer_credentials(conn)
+            groups = peer_groups(conn)
+            conn.sendall(b"x")
+        os.waitpid(child, 0)
+    assert (uid, gid) == (1000, 1000)
+    assert 65533 in groups
+    assert PeerPolicy(frozenset(), frozenset({65533})).allows(uid, gid, groups)

@@ -59,26 +59,21 @@ The set-up image is the operator's own: it alone runs the privileged step.
   "setupImage" (include "wc.imageRef" (list .Values.image .Chart.AppVersion))
   "sidecarImage" (include "wc.imageRef" (list .Values.sidecarImage .Chart.AppVersion))
   "daemonServiceAccount" .Values.daemon.serviceAccount.name
+  "daemonNamespace" (include "wc.daemonNamespace" .)
+  "allowedModelClaims" .Values.cachePolicy.allowedModelClaims
+  "allowedResourceClaims" .Values.cachePolicy.allowedResourceClaims
   "allowedHostPaths" .Values.cachePolicy.allowedHostPaths
   "allowedSidecarImagePrefixes" .Values.cachePolicy.allowedSidecarImagePrefixes
   "allowedTransports" .Values.cachePolicy.allowedTransports }}
 {{- toJson $policy }}
 {{- end }}
 
-{{/* Namespaces that get the daemon ServiceAccount and Role, one per line. */}}
-{{- define "wc.daemonNamespaces" -}}
-{{- $namespaces := .Values.daemon.namespaces | default (list .Release.Namespace) }}
-{{- range $namespaces }}
-{{ . }}
-{{- end }}
+{{/* The namespace every cache's DaemonSet runs in. */}}
+{{- define "wc.daemonNamespace" -}}
+{{- .Values.daemon.namespace | default .Release.Namespace }}
 {{- end }}
 
-{{/* The daemon ServiceAccounts' usernames, as a CEL list literal. */}}
-{{- define "wc.daemonUsernames" -}}
-{{- $sa := .Values.daemon.serviceAccount.name }}
-{{- $names := list }}
-{{- range (include "wc.daemonNamespaces" . | trim | splitList "\n") }}
-{{- $names = append $names (printf "'system:serviceaccount:%s:%s'" . $sa) }}
-{{- end }}
-{{- printf "[%s]" (join ", " $names) }}
+{{/* The daemon ServiceAccount's username. */}}
+{{- define "wc.daemonUsername" -}}
+{{- printf "system:serviceaccount:%s:%s" (include "wc.daemonNamespace" .) .Values.daemon.serviceAccount.name }}
 {{- end }}

@@ -46,7 +46,14 @@ from weightcache.protocol import (
     ShardSpec,
     decode_readopt_reply,
 )
-from weightcache.sockets import DIR_FLAGS, PeerPolicy, engines_dir, peer_credentials, socket_files
+from weightcache.sockets import (
+    DIR_FLAGS,
+    PeerPolicy,
+    engines_dir,
+    peer_credentials,
+    peer_groups,
+    socket_files,
+)
 from weightcache.transport import get_daemon_transport_backend
 from weightcache.transport.base import (
     AllocationEntry,
@@ -326,7 +333,7 @@ def ask_for_handback(
             except (ConnectionRefusedError, FileNotFoundError):
                 raise EngineGone(f"{engine_socket}: nobody listens (engine gone)") from None
             pid, uid, gid = peer_credentials(sock)
-            if not policy.allows(uid, gid):
+            if not policy.allows(uid, gid, peer_groups(sock)):
                 raise PermissionError(
                     f"engine pid {pid} runs as uid {uid} / gid {gid}: not allowed"
                 )

@@ -34,7 +34,7 @@ from weightcache.protocol import (
     config_differences,
     decode_request,
 )
-from weightcache.sockets import PeerPolicy, peer_credentials
+from weightcache.sockets import PeerPolicy, peer_credentials, peer_groups
 from weightcache.transport import choose_daemon_transport_backend
 from weightcache.wire import PeerClosed, recv_frame, send_message
 
@@ -165,7 +165,7 @@ class SocketServer:
         except OSError:
             conn.close()
             return
-        if not self._policy.allows(uid, gid):
+        if not self._policy.allows(uid, gid, peer_groups(conn)):
             self.counters.count(self.counters.refused, "peer_credentials")
             log.warning("refused peer pid=%d uid=%d gid=%d: not in the allowlist", pid, uid, gid)
             self._reply_and_close(conn, f"peer uid {uid} / gid {gid} is not allowed")

@@ -7,6 +7,7 @@ the same, and nothing is a wildcard.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -34,40 +35,55 @@ def roles(docs: list[dict[str, Any]], kind: str, component: str | None = None
     ]
 
 
-def test_cluster_wide_install_grants_exactly_the_operator_rules(render: Renderer) -> None:
-    docs = render()
+def test_the_operator_writes_daemonsets_only_in_the_namespaces_the_chart_names(
+    render: Renderer
+) -> None:
+    docs = render(set_values=["daemon.namespace=daemons",
+                              "daemon.migrateFromNamespaces={team-a,team-b}"])
     (cluster_role,) = roles(docs, "ClusterRole")
     assert canonical(cluster_role["rules"]) == canonical(rbac.OPERATOR_RULES)
-    # The operator's own rules live in the ClusterRole only (it watches every namespace).
-    assert roles(docs, "Role") == []
+    # The ClusterRole reads DaemonSets (list, watch); nothing cluster-wide writes one.
+    assert not {v for _, r, v in canonical(cluster_role["rules"]) if r == "daemonsets"} - {
+        "list", "watch"}
     binding = one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": cluster_role["metadata"]["name"]}
     sa = one(docs, "ServiceAccount", "-weightcache-operator")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
-                                    "namespace": "wc-system"}]
+    subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+               "namespace": "wc-system"}
+    assert binding["subjects"] == [subject]
+    operator_roles = {r["metadata"]["namespace"]: r for r in roles(docs, "Role", "operator")}
+    assert set(operator_roles) == {"daemons", "team-a", "team-b"}
+    assert canonical(operator_roles["daemons"]["rules"]) == canonical(
+        rbac.OPERATOR_DAEMON_NAMESPACE_RULES)
+    for ns in ("team-a", "team-b"):
+        assert canonical(operator_roles[ns]["rules"]) == canonical(rbac.OPERATOR_MIGRATION_RULES)
+    for role_binding in roles(docs, "RoleBinding", "operator"):
+        assert role_binding["subjects"] == [subject]
+        assert role_binding["roleRef"]["name"] == operator_roles[
+            role_binding["metadata"]["namespace"]]["metadata"]["name"]
 
 
-@pytest.mark.parametrize("daemon_namespaces", [[], ["team-a", "team-b"]])
-def test_daemon_gets_patch_pods_in_its_namespaces_only(
-    render: Renderer, daemon_namespaces: list[str]
+@pytest.mark.parametrize("daemon_namespace", ["", "daemons"])
+def test_daemon_gets_patch_pods_in_the_daemon_namespace_only(
+    render: Renderer, daemon_namespace: str
 ) -> None:
-    docs = render(set_values=[f"daemon.namespaces={{{','.join(daemon_namespaces)}}}"]
-                  if daemon_namespaces else [])
-    expected = daemon_namespaces or ["wc-system"]
-    daemon_roles = roles(docs, "Role", "daemon")
-    assert sorted(r["metadata"]["namespace"] for r in daemon_roles) == expected
+    docs = render(set_values=[f"daemon.namespace={daemon_namespace}"] if daemon_namespace
+                  else [])
+    expected = daemon_namespace or "wc-system"
+    (role,) = roles(docs, "Role", "daemon")
+    assert role["metadata"]["namespace"] == expected
     assert roles(docs, "ClusterRole", "daemon") == []
-    for role in daemon_roles:
-        assert canonical(role["rules"]) == canonical(rbac.DAEMON_RULES)
-    for ns in expected:
-        binding = next(d for d in roles(docs, "RoleBinding", "daemon")
-                       if d["metadata"]["namespace"] == ns)
-        assert binding["subjects"] == [
-            {"kind": "ServiceAccount", "name": "weightcache-daemon", "namespace": ns}]
-        account = next(d for d in roles(docs, "ServiceAccount", "daemon")
-                       if d["metadata"]["namespace"] == ns)
-        assert account["metadata"]["name"] == "weightcache-daemon"
+    assert canonical(role["rules"]) == canonical(rbac.DAEMON_RULES)
+    (binding,) = roles(docs, "RoleBinding", "daemon")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "weightcache-daemon", "namespace": expected}]
+    (account,) = roles(docs, "ServiceAccount", "daemon")
+    assert account["metadata"]["name"] == "weightcache-daemon"
+    assert account["metadata"]["namespace"] == expected
+    policy = json.loads(one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "env"][0]["value"])
+    assert policy["daemonNamespace"] == expected
 
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=values_id)

@@ -94,14 +94,12 @@ def test_metrics_service_selects_the_operator_pod(render: Renderer) -> None:
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"metrics", "health"}
 
 
-def test_report_guard_matches_exactly_the_daemon_accounts(render: Renderer) -> None:
-    docs = render(set_values=["daemon.namespaces={team-a,team-b}"])
+def test_report_guard_matches_exactly_the_daemon_account(render: Renderer) -> None:
+    docs = render(set_values=["daemon.namespace=daemons"])
     policy = one(docs, "ValidatingAdmissionPolicy", "-daemon-report-guard")
     (condition,) = policy["spec"]["matchConditions"]
     assert condition["expression"] == (
-        "request.userInfo.username in ['system:serviceaccount:team-a:weightcache-daemon', "
-        "'system:serviceaccount:team-b:weightcache-daemon']"
-    )
+        "request.userInfo.username == 'system:serviceaccount:daemons:weightcache-daemon'")
     binding = one(docs, "ValidatingAdmissionPolicyBinding", "-daemon-report-guard")
     assert binding["spec"] == {"policyName": policy["metadata"]["name"],
                                "validationActions": ["Deny"]}
@@ -122,7 +120,8 @@ def test_cache_policy_defaults_are_secure_and_admission_can_be_turned_off(
     assert policy.allowed_host_paths.socket_dirs == ("/var/run/weightcache",)
     assert policy.allowed_host_paths.model_dirs == ("/models",)
     validations = one(render(), "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"]
-    assert len(validations) == 3  # transport, socketDir, model.path; any image by default
+    # transport, socketDir, model.path, model.pvc, gpuAccess.claim; any image by default
+    assert len(validations) == 5
     docs = render(set_values=["cachePolicy.enabled=false"])
     assert not [d for d in docs if "cache-policy" in d["metadata"]["name"]]
     # The operator enforces the policy either way.

@@ -26,12 +26,14 @@ def test_no_policy_allows_nothing() -> None:
 def test_policy_from_the_charts_json() -> None:
     raw = {
         "setupImage": "op:1", "sidecarImage": "side:1", "daemonServiceAccount": "d",
+        "daemonNamespace": "weightcache-system", "allowedModelClaims": ["weights"],
         "allowedHostPaths": {"socketDirs": ["/run/wc"], "modelDirs": ["/models"]},
         "allowedSidecarImagePrefixes": ["reg.example.com/"], "allowedTransports": ["vmm_fd"],
     }
     policy = policy_from_env({POLICY_ENV: json.dumps(raw)})
     assert policy == Policy(
         setup_image="op:1", sidecar_image="side:1", daemon_service_account="d",
+        daemon_namespace="weightcache-system", allowed_model_claims=("weights",),
         allowed_host_paths=HostPaths(("/run/wc",), ("/models",)),
         allowed_sidecar_image_prefixes=("reg.example.com/",), allowed_transports=("vmm_fd",),
     )

@@ -31,6 +31,8 @@ from weightcache_operator.views import (
 )
 
 NS, NAME, UID, NODE = "team", "wc", "cache-uid", "node-a"
+# Where the daemons run (the policy's daemonNamespace), never the cache's namespace.
+SYSTEM = "weightcache-system"
 SPEC = {
     "model": {"path": "/models/m"},
     "device": "cpu",
@@ -39,7 +41,7 @@ SPEC = {
 DIGEST = spec_hash(parse_spec(SPEC))
 LABEL = names.node_label_name(NS, NAME)
 POLICY = Policy(
-    setup_image="op:1", sidecar_image="side:1",
+    setup_image="op:1", sidecar_image="side:1", daemon_namespace=SYSTEM,
     allowed_host_paths=HostPaths(("/var/run/weightcache",), ("/models",)),
 )
 
@@ -60,6 +62,9 @@ class RecordingKube:
 
     async def apply_daemonset(self, manifest: Mapping[str, Any]) -> None:
         self._write("daemonset", manifest["metadata"]["name"])
+
+    async def delete_daemonset(self, namespace: str, name: str, uid: str | None) -> None:
+        self._write("delete", (namespace, name, uid))
 
     async def replace_cache_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> None:
@@ -88,9 +93,16 @@ def cache(generation: int = 1, spec: dict | None = None, deleting: bool = False,
                      spec or SPEC, status or {}, deleting, version)
 
 
-def daemonset(render_hash: str | None = None, applied: int | None = 1) -> DaemonSetView:
-    return DaemonSetView(NS, names.daemonset_name(NAME), "ds-uid", UID, NAME, 1, 1, 1, 1,
-                         applied, render_hash)
+def daemonset(render_hash: str | None = None, applied: int | None = 1,
+              cache_uid: str = UID) -> DaemonSetView:
+    return DaemonSetView(SYSTEM, names.daemonset_name(NS, NAME), "ds-uid", None, NAME, 1, 1, 1,
+                         1, applied, render_hash, NS, cache_uid)
+
+
+def legacy_daemonset() -> DaemonSetView:
+    """The layout before daemons moved: in the cache's namespace, owned by the cache."""
+    return DaemonSetView(NS, names.legacy_daemonset_name(NAME), "old-ds-uid", UID, NAME, 1, 1,
+                         1, 1, 1, "h")
 
 
 def daemon_pod(name: str = "wc-abc", controller: str | None = "ds-uid", ready: bool = True,
@@ -99,8 +111,8 @@ def daemon_pod(name: str = "wc-abc", controller: str | None = "ds-uid", ready: b
     if reports is None:
         reports = annotations(device_report("cpu", DIGEST, node, preloaded=GIB, expected=GIB,
                                             state=state))
-    return DaemonPodView(NS, name, NAME, node, "Running", ready, False, dict(reports), DIGEST,
-                         "2026-01-01T00:00:00Z", controller)
+    return DaemonPodView(SYSTEM, name, NAME, node, "Running", ready, False, dict(reports),
+                         DIGEST, "2026-01-01T00:00:00Z", controller, NS)
 
 
 def engine(gate_now: Condition | None = None, name: str = "engine-1", node: str = NODE,
@@ -110,7 +122,8 @@ def engine(gate_now: Condition | None = None, name: str = "engine-1", node: str 
 
 
 def state(caches: list[CacheView] | None = None, pods: list[DaemonPodView] | None = None,
-          ds: DaemonSetView | None = None, engines: list[EnginePodView] | None = None,
+          ds: DaemonSetView | list[DaemonSetView] | None = None,
+          engines: list[EnginePodView] | None = None,
           labels: frozenset[str] = frozenset()) -> State:
     caches = [cache()] if caches is None else caches
     by_ns: dict[str, list[CacheView]] = {}
@@ -119,16 +132,17 @@ def state(caches: list[CacheView] | None = None, pods: list[DaemonPodView] | Non
     # Keyed as handlers.py keys the kopf indices: pods by node.
     by_node: dict[tuple[str, str, str | None], list[DaemonPodView]] = {}
     for p in [daemon_pod()] if pods is None else pods:
-        by_node.setdefault((p.namespace, p.cache, p.node), []).append(p)
+        by_node.setdefault((p.cache_namespace or p.namespace, p.cache, p.node), []).append(p)
     engines_by_node: dict[tuple[str, str | None], list[EnginePodView]] = {}
     for e in [engine()] if engines is None else engines:
         engines_by_node.setdefault((e.namespace, e.node), []).append(e)
     return State(
         caches=by_ns,
-        daemonsets={(NS, NAME): [ds or daemonset()]},
+        daemonsets={(NS, NAME): ds if isinstance(ds, list) else [ds or daemonset()]},
         daemon_pods_index=by_node,
         engine_pods_index=engines_by_node,
         nodes={NODE: [NodeView(NODE, labels, "1")]},
+        daemon_namespace=SYSTEM,
     )
 
 
@@ -165,7 +179,7 @@ def test_nothing_is_written_twice(kube: RecordingKube, reconciler: Reconciler) -
     caught_up = state(engines=[engine(kube.conditions["engine-1"])], labels=frozenset({LABEL}))
     stored = CacheView(NS, NAME, UID, 1, SPEC, kube.of("status")[0], False)
     caught_up = State({NS: [stored]}, caught_up.daemonsets, caught_up.daemon_pods_index,
-                      caught_up.engine_pods_index, caught_up.nodes)
+                      caught_up.engine_pods_index, caught_up.nodes, SYSTEM)
     run(reconciler.cache(caught_up, NS, NAME))
     assert kube.writes[written:] == []
 
@@ -182,7 +196,8 @@ def test_the_daemonset_is_rendered_once_per_generation_and_applied_only_when_sta
     run(reconciler.cache(fresh, NS, NAME))
     run(reconciler.apply_daemonset(fresh, cache()))
     assert len(calls) == 1
-    assert kube.of("daemonset") == [names.daemonset_name(NAME)] * 2  # the index never caught up
+    # the index never caught up
+    assert kube.of("daemonset") == [names.daemonset_name(NS, NAME)] * 2
     manifest = reconciler.rendered(cache())
     assert isinstance(manifest, dict)
     current = daemonset(manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION], 1)
@@ -235,10 +250,22 @@ def test_look_alike_pods_and_foreign_daemonsets_count_for_nothing(
     kube.writes.clear()
     # A DaemonSet with the right labels and name but not owned by the cache
     # (judged by a fresh operator: this one remembers what it wrote).
-    foreign = DaemonSetView(NS, names.daemonset_name(NAME), "ds-uid", "other", NAME, 1, 1, 1, 1,
-                            1, "h")
+    foreign = daemonset(cache_uid="other")
     run(Reconciler(kube, POLICY, operator_uid=65532).cache(state(ds=foreign), NS, NAME))
     assert kube.of("gate") == [("engine-1", "False", gate.NO_DAEMON_ON_NODE)]
+    assert kube.of("labels") == []
+    kube.writes.clear()
+    # The right name, labels and annotations in another namespace (one a namespace user may
+    # create DaemonSets in), and a pod there naming the real DaemonSet's uid.
+    elsewhere = DaemonSetView(NS, names.daemonset_name(NS, NAME), "ds-uid", None, NAME, 1, 1, 1,
+                              1, 1, "h", NS, UID)
+    forged = DaemonPodView(NS, "forged", NAME, NODE, "Running", True, False,
+                           daemon_pod().reports, DIGEST, "", "ds-uid", NS)
+    run(Reconciler(kube, POLICY, operator_uid=65532).cache(
+        state(ds=elsewhere), NS, NAME))
+    run(Reconciler(kube, POLICY, operator_uid=65532).cache(
+        state(pods=[forged]), NS, NAME))
+    assert kube.of("gate") == [("engine-1", "False", gate.NO_DAEMON_ON_NODE)] * 2
     assert kube.of("labels") == []
 
 
@@ -265,14 +292,75 @@ def test_a_policy_violation_is_reported_and_nothing_is_applied(
     assert ("WeightCache", "PolicyViolation") in kube.events
 
 
-def test_cleanup_closes_gates_and_removes_labels(
+def test_cleanup_deletes_the_daemonset_closes_gates_and_removes_labels(
     kube: RecordingKube, reconciler: Reconciler
 ) -> None:
     opened = state(engines=[engine(Condition("True", gate.WEIGHTS_RESIDENT, ""))],
                    labels=frozenset({LABEL}))
     run(reconciler.cleanup(opened, NS, NAME, UID))
+    # No owner reference reaches the daemon namespace: the finalizer deletes it, by uid.
+    assert kube.of("delete") == [(SYSTEM, names.daemonset_name(NS, NAME), "ds-uid")]
     assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: None})]
     assert kube.of("gate") == [("engine-1", "False", gate.NO_WEIGHTCACHE)]
+    kube.writes.clear()
+    # Not in the index yet (created a moment ago): deleted by name all the same.
+    run(reconciler.cleanup(state(ds=[]), NS, NAME, UID))
+    assert kube.of("delete") == [(SYSTEM, names.daemonset_name(NS, NAME), None)]
+
+
+def test_the_daemonset_is_rendered_into_the_daemon_namespace(reconciler: Reconciler) -> None:
+    manifest = reconciler.rendered(cache())
+    assert isinstance(manifest, dict)
+    meta = manifest["metadata"]
+    assert (meta["namespace"], meta["name"]) == (SYSTEM, f"weightcache-{NS}.{NAME}")
+    assert "ownerReferences" not in meta
+    assert meta["annotations"][names.CACHE_UID_ANNOTATION] == UID
+    assert manifest["spec"]["selector"]["matchLabels"][names.CACHE_NAMESPACE_LABEL] == NS
+
+
+def test_a_recreated_cache_deletes_the_daemonset_an_earlier_one_left_then_applies(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    left = daemonset(cache_uid="earlier-uid")
+    run(reconciler.apply_daemonset(state(ds=left, pods=[]), cache()))
+    assert kube.of("delete") == [(SYSTEM, names.daemonset_name(NS, NAME), "ds-uid")]
+    assert kube.of("daemonset") == []
+    # Its pods count for nothing meanwhile: they are not this cache's.
+    run(reconciler.cache(state(ds=left), NS, NAME))
+    assert kube.of("gate") == [("engine-1", "False", gate.NO_DAEMON_ON_NODE)]
+    run(reconciler.apply_daemonset(state(ds=[], pods=[]), cache()))
+    assert kube.of("daemonset") == [names.daemonset_name(NS, NAME)]
+
+
+def test_an_older_layouts_daemonset_keeps_its_gates_until_it_is_migrated(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Operator upgrade: the cache's DaemonSet still in its own namespace."""
+    old_pod = DaemonPodView(NS, "wc-old", NAME, NODE, "Running", True, False,
+                            daemon_pod().reports, DIGEST, "", "old-ds-uid", NS)
+    before = state(ds=legacy_daemonset(), pods=[old_pod])
+    run(reconciler.cache(before, NS, NAME))
+    assert kube.of("gate") == [("engine-1", "True", gate.WEIGHTS_RESIDENT)]
+    # 1. The older DaemonSet is deleted; nothing new is applied while its daemons run
+    #    (they hold the devices' locks).
+    run(reconciler.apply_daemonset(before, cache()))
+    assert kube.of("delete") == [(NS, names.legacy_daemonset_name(NAME), "old-ds-uid")]
+    run(reconciler.apply_daemonset(state(ds=[], pods=[old_pod]), cache()))
+    assert kube.of("daemonset") == []
+    # 2. Its last daemon exited: the DaemonSet goes up in the daemon namespace, whose
+    #    daemons re-adopt the weights from the running engines.
+    run(reconciler.apply_daemonset(state(ds=[], pods=[]), cache()))
+    assert kube.of("daemonset") == [names.daemonset_name(NS, NAME)]
+
+
+def test_a_migration_the_operator_may_not_delete_is_told_in_an_event(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    kube.refuse["delete"] = 403
+    with pytest.raises(kopf.TemporaryError, match="deleting DaemonSet team/weightcache-wc"):
+        run(reconciler.apply_daemonset(state(ds=legacy_daemonset()), cache()))
+    assert ("WeightCache", "DaemonSetNotDeleted") in kube.events
+    assert kube.of("daemonset") == []
 
 
 def test_orphan_labels_are_removed(kube: RecordingKube, reconciler: Reconciler) -> None:
@@ -297,6 +385,7 @@ def fleet(n: int) -> tuple[State, list[str]]:
         engine_pods_index={(NS, node): [engine(name=f"engine-{node}", node=node)]
                            for node in nodes},
         nodes={node: [NodeView(node, frozenset(), "1")] for node in nodes},
+        daemon_namespace=SYSTEM,
     ), nodes
 
 

@@ -38,9 +38,13 @@ GPU = {
 
 POLICY = Policy(
     setup_image="operator:1",
+    daemon_namespace="weightcache-system",
     allowed_host_paths=HostPaths(
         socket_dirs=("/var/run/weightcache", "/var/run/wc"), model_dirs=("/models", "/m")
     ),
+    # Claims are looked up in the daemon namespace: the admin names which.
+    allowed_model_claims=("store",),
+    allowed_resource_claims=("gpus-template", "node-gpus"),
 )
 OPERATOR_UID = 65532
 
@@ -67,21 +71,17 @@ def test_cpu_daemonset_shape() -> None:
     spec = parse_spec(CPU)
     ds = render(CPU)
     assert ds["kind"] == "DaemonSet"
-    assert ds["metadata"]["name"] == "weightcache-minilm"
-    assert ds["metadata"]["namespace"] == "team"
-    (owner,) = ds["metadata"]["ownerReferences"]
-    assert owner == {
-        "apiVersion": "weightcache.dev/v1alpha1",
-        "kind": "WeightCache",
-        "name": "minilm",
-        "uid": "uid-1",
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    # In the daemon namespace, never the cache's: only that one needs `privileged`.
+    assert ds["metadata"]["name"] == "weightcache-team.minilm"
+    assert ds["metadata"]["namespace"] == "weightcache-system"
+    # Owner references cannot cross namespaces: the uid names the cache instead.
+    assert "ownerReferences" not in ds["metadata"]
+    assert ds["metadata"]["annotations"][names.CACHE_UID_ANNOTATION] == "uid-1"
     selector = ds["spec"]["selector"]["matchLabels"]
     template_labels = ds["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= template_labels.items()
     assert selector[names.CACHE_LABEL] == "minilm"
+    assert selector[names.CACHE_NAMESPACE_LABEL] == "team"
 
     (container,) = pod(ds)["containers"]
     assert container["name"] == "daemon"
@@ -304,6 +304,12 @@ def test_default_image_and_missing_image() -> None:
         ({"sidecar": {"image": "s:1", "runAsUser": OPERATOR_UID}}, POLICY,
          "spec.sidecar.runAsUser"),
         ({}, msgspec.structs.replace(POLICY, setup_image=None), "setup image"),
+        ({}, msgspec.structs.replace(POLICY, daemon_namespace=None), "daemon namespace"),
+        ({"model": {"pvc": {"claimName": "operator-secrets"}}}, POLICY,
+         "spec.model.pvc.claimName"),
+        ({"model": {"pvc": {"claimName": "models"}}},
+         msgspec.structs.replace(POLICY, allowed_model_claims=("weights",)),
+         "spec.model.pvc.claimName: models is not a claim"),
         ({}, Policy(), "spec.socketDir"),
     ],
 )

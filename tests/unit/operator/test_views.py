@@ -32,7 +32,10 @@ def test_daemon_pod_view() -> None:
         terminating=False,
         reports={annotation_key("GPU-1"): "{}", annotation_key("GPU-2"): "[]"},
         spec_hash="h", created="2026-01-01T00:00:00Z", controller_uid="ds-uid",
+        cache_namespace="ns",  # no label: the older layout, in the cache's own namespace
     )
+    body["metadata"]["labels"][names.CACHE_NAMESPACE_LABEL] = "team"
+    assert views.daemon_pod_view(body).cache_namespace == "team"
     body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:01Z"
     body["status"] = {}
     view = views.daemon_pod_view(body)
@@ -84,8 +87,13 @@ def test_daemonset_view() -> None:
     assert views.daemonset_view(body) == views.DaemonSetView(
         "ns", "weightcache-wc", "ds-uid", "cache-uid", "wc", 3, 2, 4, 4, 7, "r"
     )
+    assert views.daemonset_view(body).legacy  # the older layout: owned, in the cache's namespace
     body["metadata"]["annotations"][names.GENERATION_ANNOTATION] = "x"
     assert views.daemonset_view(body).applied_generation is None
+    body["metadata"]["labels"][names.CACHE_NAMESPACE_LABEL] = "team"
+    body["metadata"]["annotations"][names.CACHE_UID_ANNOTATION] = "cache-uid"
+    view = views.daemonset_view(body)
+    assert (view.cache_namespace, view.cache_uid, view.legacy) == ("team", "cache-uid", False)
 
 
 def test_node_view_reads_only_ready_cache_labels() -> None:
