@@ -43,7 +43,7 @@ lint: venv
 manifests: venv
 	$(PY) -m tools.manifests write
 
-# Engine adapters against the pinned vLLM and SGLang, each in its own venv
+# Engine adapters against vLLM and SGLang releases, each in its own venv
 # (built once, cached in ~/.cache/weightcache/engines; see tools/engine_venvs).
 test-engines: venv
 	$(PY) -m tools.engine_venvs test vllm sglang

@@ -1,28 +1,62 @@
 """Per-engine virtualenvs for the engine adapter tests, cached outside git.
 
-vLLM and SGLang pin torch versions other than ours (and each other's), so each
-gets its own venv at ``~/.cache/weightcache/engines/<engine>-<pin hash>``. The
-hash covers the pin files and the interpreter, so a changed pin builds a new
-venv and an unchanged one is reused. A venv counts as built only once its
-``.complete`` marker is written last; an interrupted build is deleted and
-redone on the next run, and venvs of older pins are deleted (several GB each).
-weightcache itself is installed editable from the checkout on every run
+The adapters support a range of engine releases (docs/engines.md): the
+pinned one and the previous minor of each engine. Each release gets its own
+venv (vLLM and SGLang pin torch versions other than ours and each other's) at
+``~/.cache/weightcache/engines/<venv>-<pin hash>``; :data:`VENVS` names them,
+the engine whose adapter they test, and the test modules run in each.
+
+A venv's pins are ``<venv>.txt`` plus ``test.txt`` (pip requirement files)
+and, where a release's own metadata cannot be installed from PyPI as it is,
+``<venv>.overrides.txt`` (uv's ``--overrides``: replaces that requirement for
+every package). The hash covers those files and the interpreter, so a changed
+pin builds a new venv and an unchanged one is reused. Builds run under a
+per-venv file lock; a venv counts as built only once its ``.complete`` marker
+is written last; an interrupted build is redone on the next run; venvs of
+older pins are deleted (several GB each). Packages are installed with uv:
+pip cannot override a dependency's pin, and uv's parallel install halves a
+cold build. weightcache itself is installed editable from the checkout
 (seconds), so its entry points are registered exactly as pyproject.toml says.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-ENGINES = ("vllm", "sglang")
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
+
+
+@dataclass(frozen=True)
+class EngineVenv:
+    """One engine release's venv: ``engine`` is the adapter it tests."""
+
+    name: str
+    engine: str
+    tests: tuple[str, ...]
+
+
+# Underscores, not hyphens, in the names of added venvs: a venv named "<engine>-..."
+# would look stale to the stale-venv cleanup of checkouts older than this module.
+VENVS: dict[str, EngineVenv] = {
+    venv.name: venv
+    for venv in (
+        EngineVenv("vllm", "vllm", ("test_vllm.py",)),
+        EngineVenv("vllm_prev", "vllm", ("test_vllm.py",)),
+        EngineVenv("sglang", "sglang", ("test_sglang.py",)),
+        EngineVenv("sglang_prev", "sglang", ("test_sglang.py",)),
+    )
+}
+ENGINES = ("vllm", "sglang")
 
 
 def cache_root() -> Path:
@@ -32,16 +66,27 @@ def cache_root() -> Path:
     return Path(base) / "engines"
 
 
-def pin_files(engine: str) -> list[Path]:
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; expected one of {list(ENGINES)}")
-    return [HERE / f"{engine}.txt", HERE / "test.txt"]
+def _venv(name: str) -> EngineVenv:
+    if name not in VENVS:
+        raise ValueError(f"unknown engine venv {name!r}; expected one of {list(VENVS)}")
+    return VENVS[name]
 
 
-def pin_hash(engine: str, python: str = sys.executable) -> str:
+def pin_files(name: str) -> list[Path]:
+    _venv(name)
+    return [HERE / f"{name}.txt", HERE / "test.txt"]
+
+
+def overrides_file(name: str) -> Path | None:
+    path = HERE / f"{name}.overrides.txt"
+    return path if path.exists() else None
+
+
+def pin_hash(name: str, python: str = sys.executable) -> str:
     """Digest of what decides the venv's contents: the pins and the interpreter version."""
     digest = hashlib.sha256()
-    for path in pin_files(engine):
+    files = pin_files(name) + [p for p in [overrides_file(name)] if p is not None]
+    for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     version = subprocess.run(
         [python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True, check=True
@@ -50,44 +95,64 @@ def pin_hash(engine: str, python: str = sys.executable) -> str:
     return digest.hexdigest()[:12]
 
 
-def venv_dir(engine: str) -> Path:
-    return cache_root() / f"{engine}-{pin_hash(engine)}"
+def venv_dir(name: str) -> Path:
+    return cache_root() / f"{name}-{pin_hash(name)}"
+
+
+def uv() -> str:
+    """The uv binary of the test extra (``pip install -e '.[test]'``)."""
+    from uv import find_uv_bin
+
+    return find_uv_bin()
 
 
 def _run(argv: list[str]) -> None:
     print("+", " ".join(argv), flush=True)
-    subprocess.run(argv, check=True)
+    # Never fetch an interpreter: the venv uses ours.
+    subprocess.run(argv, check=True, env={**os.environ, "UV_PYTHON_DOWNLOADS": "never"})
 
 
-def _remove_stale(engine: str, keep: Path) -> None:
-    """Venvs of older pins of this engine: several GB each."""
+def _remove_stale(name: str, keep: Path) -> None:
+    """Venvs of older pins of this venv: several GB each."""
     root = cache_root()
     if not root.exists():
         return
+    stale = re.compile(re.escape(name) + r"-[0-9a-f]{12}")
     for path in root.iterdir():
-        if path != keep and path.name.startswith(f"{engine}-"):
+        if path != keep and stale.fullmatch(path.name):
             print(f"removing stale {path}", flush=True)
             shutil.rmtree(path, ignore_errors=True)
 
 
-def build(engine: str) -> Path:
-    """The engine's venv, built if missing; weightcache (editable) refreshed when it changed."""
-    target = venv_dir(engine)
-    _remove_stale(engine, keep=target)
-    if not (target / ".complete").exists():
-        # Built in place (venv scripts embed their path), complete only with the marker.
-        shutil.rmtree(target, ignore_errors=True)
-        started = time.monotonic()
-        _run([sys.executable, "-m", "venv", str(target)])
-        pip = [str(target / "bin" / "python"), "-m", "pip", "--no-cache-dir", "-q"]
-        _run([*pip, "install", "--upgrade", "pip"])
-        requirements = [a for p in pin_files(engine) for a in ("-r", str(p))]
-        _run([*pip, "install", *requirements])
-        seconds = time.monotonic() - started
-        (target / ".complete").write_text(f"built in {seconds:.0f} s\n")
-        print(f"{engine} venv built in {seconds:.0f} s at {target}", flush=True)
-    _install_weightcache(target)
+def build(name: str) -> Path:
+    """The venv, built if missing; weightcache (editable) refreshed when it changed."""
+    target = venv_dir(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout may be building the same venv
+        _remove_stale(name, keep=target)
+        if not (target / ".complete").exists():
+            _build(name, target)
+        _install_weightcache(target)
     return target
+
+
+def _build(name: str, target: Path) -> None:
+    # Built in place (venv scripts embed their path), complete only with the marker.
+    shutil.rmtree(target, ignore_errors=True)
+    started = time.monotonic()
+    _run([uv(), "venv", "--quiet", "--python", sys.executable, str(target)])
+    requirements = [a for p in pin_files(name) for a in ("-r", str(p))]
+    overrides = overrides_file(name)
+    if overrides is not None:
+        requirements += ["--overrides", str(overrides)]
+    # --no-cache: no multi-GB package cache left behind; bytecode compiled now, since
+    # engine processes start many times in the tests and may not write it themselves.
+    _run([uv(), "pip", "install", "--quiet", "--no-cache", "--compile-bytecode",
+          "--python", str(target / "bin" / "python"), *requirements])  # fmt: skip
+    seconds = time.monotonic() - started
+    (target / ".complete").write_text(f"built in {seconds:.0f} s\n")
+    print(f"{name} venv built in {seconds:.0f} s at {target}", flush=True)
 
 
 def _install_weightcache(target: Path) -> None:
@@ -100,18 +165,16 @@ def _install_weightcache(target: Path) -> None:
     for old in target.glob(".weightcache-*"):
         old.unlink()
     python = str(target / "bin" / "python")
-    # --no-deps: the engine's pins already satisfy ours; never let pip move its torch.
-    _run(
-        [python, "-m", "pip", "--no-cache-dir", "-q", "install", "--no-deps", "-e", str(REPO_ROOT)]
-    )
+    install = [uv(), "pip", "install", "--quiet", "--no-cache", "--python", python]
+    # --no-deps: the engine's pins already satisfy ours; never let the installer move its torch.
+    _run([*install, "--no-deps", "-e", str(REPO_ROOT)])
     missing = subprocess.run(
         [python, "-c", "import msgspec, safetensors, prometheus_client"], capture_output=True
     )
     if missing.returncode != 0:
-        _run([python, "-m", "pip", "--no-cache-dir", "-q", "install", "msgspec", "safetensors",
-              "prometheus-client"])  # fmt: skip
+        _run([*install, "msgspec", "safetensors", "prometheus-client"])
     stamp.touch()
 
 
-def python(engine: str) -> Path:
-    return build(engine) / "bin" / "python"
+def python(name: str) -> Path:
+    return build(name) / "bin" / "python"

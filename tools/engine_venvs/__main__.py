@@ -1,7 +1,7 @@
-"""CLI: python -m tools.engine_venvs {build,path,test} ENGINE... (see __init__.py).
+"""CLI: python -m tools.engine_venvs {build,path,test} [VENV...] (see __init__.py).
 
-``test`` builds (or reuses) each engine's venv and runs its adapter tests,
-``tests/engines/test_<engine>.py``, with that venv's interpreter.
+``test`` builds (or reuses) each venv (default: all of :data:`VENVS`) and runs
+its test modules (``tests/engines/<module>``) with that venv's interpreter.
 """
 
 from __future__ import annotations
@@ -11,37 +11,44 @@ import os
 import subprocess
 import sys
 
-from tools.engine_venvs import ENGINES, REPO_ROOT, build, venv_dir
+from tools.engine_venvs import REPO_ROOT, VENVS, build, venv_dir
 
 
-def run_tests(engine: str) -> int:
-    python = build(engine) / "bin" / "python"
+def run_tests(name: str) -> int:
+    venv = VENVS[name]
+    python = build(name) / "bin" / "python"
     # The checkout's sources first: the venv's editable install may point at another
     # checkout (a second worktree sharing the cached venv); its metadata (entry points) is
     # the same, its code may not be.
     paths = [REPO_ROOT / "sidecar", REPO_ROOT / "operator", REPO_ROOT]
     env = {
         **os.environ,
-        "WEIGHTCACHE_ENGINE_TESTS": engine,
+        "WEIGHTCACHE_ENGINE_TESTS": venv.engine,
         "PYTHONPATH": os.pathsep.join(map(str, paths)),
     }
-    argv = [str(python), "-m", "pytest", "-rs", "-p", "no:cacheprovider",
-            f"tests/engines/test_{engine}.py"]  # fmt: skip
-    print("+", " ".join(argv), flush=True)
+    modules = [f"tests/engines/{module}" for module in venv.tests]
+    argv = [str(python), "-m", "pytest", "-rs", "-p", "no:cacheprovider", *modules]
+    print(f"+ [{name}]", " ".join(argv), flush=True)
     return subprocess.run(argv, cwd=REPO_ROOT, env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.engine_venvs")
     parser.add_argument("command", choices=("build", "path", "test"))
-    parser.add_argument("engines", nargs="+", choices=ENGINES)
+    parser.add_argument("venvs", nargs="*", metavar="VENV", help=f"default: all of {list(VENVS)}")
     args = parser.parse_args(argv)
-    failed = 0
-    for engine in args.engines:
+    unknown = [name for name in args.venvs if name not in VENVS]
+    if unknown:
+        parser.error(f"unknown venv(s) {unknown}; expected some of {list(VENVS)}")
+    failed = []
+    for name in args.venvs or list(VENVS):
         if args.command == "test":
-            failed |= run_tests(engine) != 0
+            if run_tests(name) != 0:
+                failed.append(name)
         else:
-            print(build(engine) if args.command == "build" else venv_dir(engine))
+            print(build(name) if args.command == "build" else venv_dir(name))
+    if failed:
+        print(f"engine adapter tests failed in: {', '.join(failed)}", flush=True)
     return 1 if failed else 0
 
 

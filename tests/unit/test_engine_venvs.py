@@ -1,0 +1,49 @@
+"""tools.engine_venvs: which cached venvs are stale, and what their hash covers (no builds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tools.engine_venvs as engine_venvs
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("WEIGHTCACHE_CACHE_DIR", str(tmp_path))
+    root = tmp_path / "engines"
+    root.mkdir()
+    return root
+
+
+def test_stale_cleanup_removes_only_older_builds_of_the_same_venv(cache: Path) -> None:
+    names = ["vllm-0123456789ab", "vllm-ba9876543210", "vllm_prev-0123456789ab",
+             "sglang-0123456789ab", "vllm-notahash"]  # fmt: skip
+    for name in names:
+        (cache / name).mkdir()
+    engine_venvs._remove_stale("vllm", keep=cache / "vllm-ba9876543210")
+    assert sorted(p.name for p in cache.iterdir()) == sorted(set(names) - {"vllm-0123456789ab"})
+
+
+def test_every_venv_has_its_pins_and_an_engine_with_tests() -> None:
+    for name, venv in engine_venvs.VENVS.items():
+        assert all(p.is_file() for p in engine_venvs.pin_files(name)), name
+        assert venv.engine in engine_venvs.ENGINES
+        for module in venv.tests:
+            assert (engine_venvs.REPO_ROOT / "tests" / "engines" / module).is_file(), module
+
+
+def test_the_hash_covers_an_overrides_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    for name in ("vllm_prev.txt", "test.txt"):
+        (tmp_path / name).write_text((engine_venvs.HERE / name).read_text())
+    monkeypatch.setattr(engine_venvs, "HERE", tmp_path)
+    without = engine_venvs.pin_hash("vllm_prev")
+    (tmp_path / "vllm_prev.overrides.txt").write_text("torch==2.13.0\n")
+    assert engine_venvs.pin_hash("vllm_prev") != without
+    assert engine_venvs.pin_hash("vllm_prev") == engine_venvs.pin_hash("vllm_prev")
+
+
+def test_unknown_venvs_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown engine venv 'vllm-0.31'"):
+        engine_venvs.pin_files("vllm-0.31")
