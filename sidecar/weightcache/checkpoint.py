@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from weightcache.plan import SourceTensor
 from weightcache.protocol import (
     LAYOUT_VERSION,
     CacheConfig,
@@ -176,6 +177,11 @@ class Checkpoint:
     @property
     def tensors(self) -> list[TensorRecord]:
         return [t for f in self.files for t in f.tensors]
+
+
+def checkpoint_sources(checkpoint: Checkpoint) -> dict[str, SourceTensor]:
+    """The checkpoint's tensors as a load plan names them (headers only)."""
+    return {t.name: SourceTensor(dtype_name(t.dtype), t.shape) for t in checkpoint.tensors}
 
 
 def read_checkpoint(model_dir: str | os.PathLike[str]) -> Checkpoint:

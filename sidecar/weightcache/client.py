@@ -28,16 +28,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import torch
 from torch import nn
 
 from weightcache.handback import HandbackServer, offer_handback
 from weightcache.layout import build_views, check_layout
+from weightcache.plan import LoadPlan, plan_hash
 from weightcache.protocol import (
     DEFAULT_MAX_FRAME,
     CacheConfig,
     DaemonStatus,
     ErrorReply,
+    FetchLayoutRequest,
     FetchStateReply,
     FetchStateRequest,
     PingReply,
@@ -390,13 +393,94 @@ def attach(
     transports = list(transports or default_client_transports())
     if fallback_model_dir is not None and not os.path.exists(socket_path):
         return _load_from_disk(Path(fallback_model_dir), config)
+    request = FetchStateRequest(v=1, config=config, transports=transports)
+    return _attach(
+        socket_path, request, config, transports, read_write=read_write, watchdog=watchdog,
+        on_daemon_death=on_daemon_death, watchdog_interval=watchdog_interval, timeout=timeout,
+        max_frame=max_frame, handback=handback, handback_peers=handback_peers,
+        wait_ready=wait_ready, daemon_uids=daemon_uids,
+    )  # fmt: skip
+
+
+def attach_layout(
+    socket_path: str,
+    config: CacheConfig,
+    plan: LoadPlan,
+    transports: list[str] | None = None,
+    **options,
+) -> AttachedWeights:
+    """Map the daemon's build of ``plan`` (an engine's own layout of the weights ``config``
+    names): ``tensors`` holds every parameter of the plan, by name and alias.
+
+    The layout is asked for by the plan's hash; a daemon that does not hold it yet gets the
+    plan and builds it (retryable meanwhile: ``wait_ready`` covers the build). Every
+    parameter is checked against the plan's table (dtype, shape, strides) before use.
+    ``options`` are :func:`attach`'s, but the disk fallback.
+    """
+    transports = list(transports or default_client_transports())
+    key = plan_hash(plan)
+    expected = msgspec.structs.replace(config, plan=key)
+    by_hash = FetchLayoutRequest(v=1, config=config, plan_hash=key, transports=transports)
+    try:
+        attached = _attach(socket_path, by_hash, expected, transports, **options)
+    except UnknownLayout:
+        with_plan = msgspec.structs.replace(by_hash, plan=plan)
+        attached = _attach(socket_path, with_plan, expected, transports, **options)
+    try:
+        check_params(attached.tensors, plan)
+    except ProtocolError:
+        attached.close()
+        raise
+    return attached
+
+
+def check_params(tensors: Mapping[str, torch.Tensor], plan: LoadPlan) -> None:
+    """The daemon's views must be exactly the plan's parameters: names, dtypes, shapes,
+    strides, tied names sharing one tensor."""
+    names = {n for p in plan.params for n in (p.name, *p.aliases)}
+    if set(tensors) != names:
+        extra, missing = sorted(set(tensors) - names), sorted(names - set(tensors))
+        raise ProtocolError(f"daemon's layout differs from the plan: extra {extra[:5]}, "
+                            f"missing {missing[:5]}")  # fmt: skip
+    for p in plan.params:
+        t = tensors[p.name]
+        got = (str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()))
+        if t.numel() > 1 and got != (p.dtype, list(p.shape), list(p.stride)):
+            raise ProtocolError(f"{p.name}: daemon's view is {got}, the plan says "
+                                f"{(p.dtype, p.shape, p.stride)}")  # fmt: skip
+        if any(tensors[a] is not t for a in p.aliases):
+            raise ProtocolError(f"{p.name}: its tied names are not one tensor")
+
+
+class UnknownLayout(DaemonError):
+    """The daemon holds no layout of that plan hash (send the plan)."""
+
+
+def _attach(
+    socket_path: str,
+    request: FetchStateRequest | FetchLayoutRequest,
+    config: CacheConfig | None,
+    transports: list[str],
+    *,
+    read_write: bool = False,
+    watchdog: bool | None = None,
+    on_daemon_death=fail_stop,
+    watchdog_interval: float = 1.0,
+    timeout: float = 30.0,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    handback: bool = True,
+    handback_peers: PeerPolicy | None = None,
+    wait_ready: float = 0.0,
+    daemon_uids: Iterable[int] | None = None,
+) -> AttachedWeights:
     deadline = time.monotonic() + wait_ready
     while True:
         try:
             identity = expected_daemon(socket_path, daemon_uids)
             reply, backend, memory, daemon_uid = _fetch(
-                socket_path, config, transports, read_write, timeout, max_frame, identity
-            )
+                socket_path, request, config, transports, read_write, timeout, max_frame,
+                identity,
+            )  # fmt: skip
             break
         except (DaemonNotReady, FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() >= deadline:
@@ -442,6 +526,7 @@ def _handback_policy(daemon_uid: int, extra: PeerPolicy | None) -> PeerPolicy:
 
 def _fetch(
     socket_path: str,
+    request: FetchStateRequest | FetchLayoutRequest,
     config: CacheConfig | None,
     transports: list[str],
     read_write: bool,
@@ -449,10 +534,9 @@ def _fetch(
     max_frame: int,
     identity: DaemonIdentity,
 ) -> tuple[FetchStateReply, WeightCacheTransportBackend, ImportedMemory, int]:
-    """One fetch_state exchange, and the daemon's allocations mapped into this process."""
+    """One fetch exchange, and the daemon's allocations mapped into this process."""
     with _connect(socket_path, timeout, identity) as sock:
         daemon_uid = peer_credentials(sock)[1]
-        request = FetchStateRequest(v=1, config=config, transports=transports)
         _send(sock, request, socket_path, max_frame)
         body, _ = recv_frame(sock, max_frame, max_fds=0)
         reply = _checked_reply(decode_reply(body), config, transports, socket_path)
@@ -476,6 +560,8 @@ def _checked_reply(
         )
     if reply.status == "error":
         raise _daemon_error(socket_path, reply)
+    if reply.status == "unknown_plan":
+        raise UnknownLayout(f"daemon at {socket_path}: {reply.error}")
     # Validate before mapping anything, so a bad reply costs no mapping.
     validated_preloaded_bytes(reply.preloaded_weights_bytes)
     if reply.config is None or reply.layout is None or reply.fingerprint is None:

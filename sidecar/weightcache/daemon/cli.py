@@ -13,6 +13,7 @@ import msgspec
 
 from weightcache.checkpoint import TORCH_DTYPES, dtype_from_name
 from weightcache.daemon.health import STALL_SECONDS
+from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS
 from weightcache.daemon.lock import DaemonAlreadyRunning
 from weightcache.daemon.seed import WAIT_SECONDS
 from weightcache.daemon.server import ServerLimits
@@ -43,6 +44,12 @@ def _cache_name(value: str) -> tuple[str, str]:
 def _non_negative_int(value: str) -> int:
     if not value.isdigit():
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return int(value)
 
 
@@ -126,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"before reading them too (default {WAIT_SECONDS:g})",
     )
     serve.add_argument(
+        "--keep-checkpoint-layout",
+        action="store_true",
+        help="keep the checkpoint's own layout once an engine layout is built from it "
+        "(default: drop it when no engine mapped it; it is rebuilt from disk on demand)",
+    )
+    serve.add_argument(
+        "--max-layouts",
+        type=_positive_int,
+        default=DEFAULT_MAX_LAYOUTS,
+        help="engine layouts (load plans) held or built at once; more are refused "
+        f"(default {DEFAULT_MAX_LAYOUTS})",
+    )
+    serve.add_argument(
         "--stall-seconds",
         type=_positive_float,
         default=STALL_SECONDS,
@@ -183,6 +203,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
         readopt_seconds=args.readopt_seconds,
         peer_seed=args.peer_seed,
         peer_wait_seconds=args.peer_wait_seconds,
+        keep_checkpoint_layout=args.keep_checkpoint_layout,
+        max_layouts=args.max_layouts,
     )
 
 

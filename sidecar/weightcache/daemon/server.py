@@ -19,10 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from weightcache.protocol import (
     DEFAULT_MAX_FRAME,
     ErrorReply,
+    FetchLayoutRequest,
     FetchStateReply,
     FetchStateRequest,
     PingReply,
@@ -70,9 +72,9 @@ class ServerCounters:
 class SocketServer:
     """Serves requests on ``listener`` until :meth:`stop`.
 
-    ``resident`` returns the current ResidentWeights (None while loading) and
-    ``status`` the current DaemonStatus, so the server never caches state that
-    the service may change.
+    ``holdings`` returns the daemon's layouts (a :class:`~.layouts.Holdings`,
+    None while loading) and ``status`` the current DaemonStatus, so the server
+    never caches state that the service may change.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class SocketServer:
         listener: socket.socket,
         policy: PeerPolicy,
         limits: ServerLimits,
-        resident: Callable[[], object | None],
+        holdings: Callable[[], Any],
         status: Callable[[], object],
     ) -> None:
         self._listener = listener
@@ -88,7 +90,7 @@ class SocketServer:
         self._listener.settimeout(0.2)
         self._policy = policy
         self._limits = limits
-        self._resident = resident
+        self._holdings = holdings
         self._status = status
         self._slots = threading.BoundedSemaphore(limits.max_connections)
         self._stopping = threading.Event()
@@ -245,26 +247,44 @@ class SocketServer:
             self._fetch_state(conn, request)
         else:
             op = "fetch_layout"
-            error = "this daemon builds no engine layouts yet"
-            send_message(conn, FetchStateReply(v=1, status="error", pid=os.getpid(), error=error))
+            self._fetch_layout(conn, request)
         self.counters.count(self.counters.served, op)
 
+    def _still_loading(self, conn: socket.socket) -> None:
+        send_message(
+            conn,
+            FetchStateReply(
+                v=1, status="error", pid=os.getpid(), error="daemon is still loading",
+                retryable=True,
+            ),
+        )
+
     def _fetch_state(self, conn: socket.socket, request: FetchStateRequest) -> None:
-        resident = self._resident()
-        if resident is None:
-            send_message(
-                conn,
-                FetchStateReply(
-                    v=1, status="error", pid=os.getpid(), error="daemon is still loading",
-                    retryable=True,
-                ),
-            )
+        holdings = self._holdings()
+        if holdings is None:
+            self._still_loading(conn)
             return
-        reply, backend = fetch_state_reply(request, resident)
-        if backend is None:
-            send_message(conn, reply)
-        else:
-            backend.send_fetch_state_response(conn, reply, resident.export)
+        # Leased while the reply is sent: a layout dropped meanwhile is closed only after.
+        with holdings.checkpoint() as resident:
+            if isinstance(resident, FetchStateReply):
+                send_message(conn, resident)  # dropped: being rebuilt, or that failed
+                return
+            reply, backend = fetch_state_reply(request, resident)
+            if backend is None:
+                send_message(conn, reply)
+            else:
+                backend.send_fetch_state_response(conn, reply, resident.export)
+
+    def _fetch_layout(self, conn: socket.socket, request: FetchLayoutRequest) -> None:
+        holdings = self._holdings()
+        if holdings is None:
+            self._still_loading(conn)
+            return
+        with holdings.layout(request) as (reply, backend, export):
+            if backend is None:
+                send_message(conn, reply)
+            else:
+                backend.send_fetch_state_response(conn, reply, export)
 
 
 def fetch_state_reply(request: FetchStateRequest, resident) -> tuple[FetchStateReply, object]:

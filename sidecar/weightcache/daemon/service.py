@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 
+from weightcache.checkpoint import read_checkpoint
 from weightcache.daemon import digest_cuda, health
 from weightcache.daemon.http import start_http_server
+from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS, Holdings
 from weightcache.daemon.lock import DeviceLock, lock_path
 from weightcache.daemon.readopt import ReadoptBudget, try_readopt
-from weightcache.daemon.resident import ResidentWeights
+from weightcache.daemon.resident import ResidentWeights, load_from_disk
 from weightcache.daemon.seed import WAIT_SECONDS, Obtained, obtain_weights
 from weightcache.daemon.server import ServerCounters, ServerLimits, SocketServer
 from weightcache.daemon.statedir import prepare_state_dir
@@ -48,6 +50,10 @@ class DaemonOptions:
     # wait this long for one that is reading them from disk before reading it too.
     peer_seed: bool = True
     peer_wait_seconds: float = WAIT_SECONDS
+    # Engine layouts (daemon.layouts): keep the checkpoint layout once one is built; how
+    # many engine layouts may be held or built at once.
+    keep_checkpoint_layout: bool = False
+    max_layouts: int = DEFAULT_MAX_LAYOUTS
 
 
 class Daemon:
@@ -56,7 +62,9 @@ class Daemon:
         self._state = "loading"
         self._error: str | None = None
         self._load_reason: str | None = None
+        # How the weights came to be held at start (re-adopted, seeded, read from disk).
         self._resident: ResidentWeights | None = None
+        self._holdings: Holdings | None = None
         self._server: SocketServer | None = None
         self._progress = health.LoadProgress()
         self._stop = threading.Event()
@@ -69,15 +77,18 @@ class Daemon:
         if self._server is not None:
             with self._server.counters.lock:
                 served = sum(self._server.counters.served.values())
+        h = self._holdings
+        # Every layout held: the checkpoint's (unless dropped) and engines'.
+        held, expected = h.totals() if h else (0, 0)
         return DaemonStatus(
             state=self._state,  # type: ignore[arg-type]
             pid=os.getpid(),
             device=str(self.options.device),
             gpu=self.options.gpu,
             transport_backend=r.transport if r else self.options.transport,
-            preloaded_weights_bytes=r.preloaded_weights_bytes if r else 0,
-            expected_bytes=r.expected_bytes if r else 0,
-            fingerprint=r.fingerprint if r else None,
+            preloaded_weights_bytes=held,
+            expected_bytes=expected,
+            fingerprint=h.base_fingerprint if h else None,
             load_seconds=r.load_seconds if r else None,
             load_source=r.load_source if r else None,  # type: ignore[arg-type]
             seeded_from=r.seeded_from if r else None,
@@ -86,6 +97,7 @@ class Daemon:
             clients_served=served,
             error=self._error,
             load_reason=self._load_reason,
+            layouts=h.statuses() if h else [],
         )
 
     def counters(self) -> ServerCounters:
@@ -116,6 +128,27 @@ class Daemon:
             except Exception:  # a broken listener must not take the daemon down
                 log.exception("status listener failed")
 
+    def _hold(self, resident: ResidentWeights, disk: tuple) -> Holdings:
+        """The layouts served from now on: the checkpoint layout just obtained, and engine
+        layouts built on demand."""
+        opts = self.options
+
+        def reload() -> ResidentWeights:
+            return load_from_disk(*disk)
+
+        return Holdings(
+            base_config=resident.config,
+            checkpoint=read_checkpoint(opts.model_dir),
+            device=opts.device,
+            transport=resident.transport,
+            checkpoint_layout=resident,
+            checkpoint_mapped=resident.load_source == "readopted",
+            load_checkpoint=reload,
+            keep_checkpoint=opts.keep_checkpoint_layout,
+            max_layouts=opts.max_layouts,
+            on_change=lambda: self._set_state(self._state, self._error),
+        )
+
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the process exit code."""
         opts = self.options
@@ -126,7 +159,7 @@ class Daemon:
         # Under the device lock, so replacing a stale socket file is ours to do.
         listener = listen_unix(opts.socket_path, backlog=128)
         self._server = SocketServer(
-            listener, opts.policy, opts.limits, lambda: self._resident, self.status
+            listener, opts.policy, opts.limits, lambda: self._holdings, self.status
         )
         http = None
         if opts.http_address is not None:
@@ -173,6 +206,7 @@ class Daemon:
                 self._resident = obtained.resident
                 self._load_reason = f"{readoption.reason}; {obtained.reason}"
             r = self._resident
+            self._holdings = self._hold(r, disk)
             log.info(
                 "ready: %d bytes resident via %s in %.2f s (%s), fingerprint %s",
                 r.preloaded_weights_bytes,
@@ -201,8 +235,11 @@ class Daemon:
                 http.server_close()
             # A connection still sending must not see its fds closed (and their
             # numbers reused) under it; the process exit releases them instead.
-            if self._resident is not None and drained:
-                self._resident.close()
+            if drained:
+                if self._holdings is not None:
+                    self._holdings.close()
+                elif self._resident is not None:
+                    self._resident.close()
             try:
                 os.unlink(opts.socket_path)
             except FileNotFoundError:

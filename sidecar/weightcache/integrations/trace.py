@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from weightcache.checkpoint import Checkpoint, dtype_from_name, dtype_name
+from weightcache.checkpoint import dtype_from_name, dtype_name
 from weightcache.plan import (
     Copy,
     Fill,
@@ -52,11 +52,6 @@ aten = torch.ops.aten
 SPLIT_BUDGET = 1 << 20
 
 EngineLoad = Callable[[Iterator[tuple[str, torch.Tensor]]], object]
-
-
-def checkpoint_sources(checkpoint: Checkpoint) -> dict[str, SourceTensor]:
-    """The checkpoint's tensors as a plan names them (headers only)."""
-    return {t.name: SourceTensor(dtype_name(t.dtype), t.shape) for t in checkpoint.tensors}
 
 
 def stand_ins(sources: Mapping[str, SourceTensor]) -> dict[str, torch.Tensor]:
