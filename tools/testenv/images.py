@@ -248,13 +248,54 @@ def ensure_images(log: Log = _stderr, env: Mapping[str, str] = os.environ) -> Im
     return ImageSet(refs, seconds, built, buildah.root)
 
 
+# Another checkout sharing the cache (a worktree of other sources) builds its own
+# generation beside ours and imports it into its node minutes later: a generation
+# is pruned only once it is this old, never while a concurrent run may still need it.
+PRUNE_AFTER_SECONDS = 3 * 3600
+
+
 def _prune(buildah: Buildah, keep: set[str]) -> None:
-    """Drop older generations of our images and whatever they alone held."""
+    """Drop older generations of our images (older than PRUNE_AFTER_SECONDS) and whatever
+    they alone held."""
     buildah("rm", "--all")
-    for ref in buildah.tags() - keep:
-        if ref.startswith(PREFIX + "/"):
-            buildah("rmi", "--force", ref)
+    out = buildah("images", "--format", "{{.Name}}:{{.Tag}} {{.CreatedAtRaw}}")
+    for ref, _ in stale_generations(out, keep, time.time()):
+        buildah("rmi", "--force", ref)
     buildah("rmi", "--prune")
+
+
+def stale_generations(listing: str, keep: set[str], now: float
+                      ) -> list[tuple[str, float]]:
+    """From `buildah images` lines `<ref> <created>`: our refs not kept and old enough to go.
+    A creation time that cannot be read counts as old."""
+    stale = []
+    for line in listing.splitlines():
+        ref, _, created = line.strip().partition(" ")
+        if not ref.startswith(PREFIX + "/") or ref in keep:
+            continue
+        when = _created(created.strip())
+        if when is None or now - when >= PRUNE_AFTER_SECONDS:
+            stale.append((ref, when or 0.0))
+    return stale
+
+
+def _created(text: str) -> float | None:
+    """buildah's CreatedAtRaw, e.g. `2026-12-01 16:17:09.883210333 +0000 UTC`, as epoch seconds."""
+    import datetime
+
+    parts = text.split()
+    if len(parts) < 3:
+        return None
+    try:
+        day = datetime.datetime.strptime(f"{parts[0]} {parts[1][:15]} {parts[2]}",
+                                         "%Y-%m-%d %H:%M:%S.%f %z")
+    except ValueError:
+        try:
+            day = datetime.datetime.strptime(f"{parts[0]} {parts[1][:8]} {parts[2]}",
+                                             "%Y-%m-%d %H:%M:%S %z")
+        except ValueError:
+            return None
+    return day.timestamp()
 
 
 def _build_pause(buildah: Buildah, source: Path, ref: str) -> None:

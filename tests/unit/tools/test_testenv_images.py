@@ -68,3 +68,18 @@ def test_stale_images_are_old_generations_and_cri_ids_of_nothing_wanted() -> Non
     )
     assert images.stale_images(listing, {"localhost/weightcache/sidecar:new"}) == [
         "localhost/weightcache/sidecar:old", "sha256:c0"]
+
+
+def test_a_generation_is_pruned_only_once_no_concurrent_run_can_still_need_it() -> None:
+    """Once, a second worktree's build pruned the first's fresh images mid-import."""
+    now = 1_800_000_000.0
+    listing = "\n".join([
+        "localhost/weightcache/sidecar:mine 2027-01-15 08:00:00.5 +0000 UTC",
+        "localhost/weightcache/sidecar:theirs-fresh 2027-01-15 07:50:00.123456789 +0000 UTC",
+        "localhost/weightcache/sidecar:old 2027-01-15 04:00:00 +0000 UTC",
+        "localhost/weightcache/torch:unreadable yesterday",
+        "docker.io/library/other:1 2020-01-01 00:00:00 +0000 UTC",
+    ])
+    stale = images.stale_generations(listing, {"localhost/weightcache/sidecar:mine"}, now)
+    assert [ref for ref, _ in stale] == ["localhost/weightcache/sidecar:old",
+                                         "localhost/weightcache/torch:unreadable"]
