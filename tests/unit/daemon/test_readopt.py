@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -390,8 +391,13 @@ def test_readoption_as_a_whole_is_bounded(daemons, engines, model, minilm_refere
 
     status = restart(daemon)
     assert status.load_source == "disk" and not status.readopted
-    timed_out = "0-trickler-0.sock: the engine did not complete the hand-back within 2 s"
-    assert timed_out in status.load_reason
+    # The engine's deadline is what is left of the 2 s budget when it is asked (a loaded
+    # machine spends some of it first), never more than the budget.
+    timed_out = re.search(
+        r"0-trickler-0\.sock: the engine did not complete the hand-back within ([\d.]+) s",
+        status.load_reason,
+    )
+    assert timed_out and float(timed_out.group(1)) <= 2, status.load_reason
     assert "re-adoption budget of 2 s spent; 3 engine socket(s) not asked" in status.load_reason
     attached = attach(daemon.socket, transports=["memfd"])
     try:
