@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,29 +83,38 @@ def test_a_supplementary_group_admits_a_peer_whose_primary_group_is_its_own() ->
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to take another uid and groups")
-def test_the_kernel_reports_the_peers_supplementary_groups(tmp_path: Path) -> None:
+def test_the_kernel_reports_the_peers_supplementary_groups() -> None:
     """What an engine pod with `supplementalGroups: [65533]` looks like to the daemon."""
-    path = str(tmp_path / "d.sock")
-    tmp_path.chmod(0o755)
-    with listen_unix(path, backlog=1) as listener:
-        os.chmod(path, 0o666)
-        child = os.fork()
-        if child == 0:  # the engine: uid 1000, primary gid 1000, supplementary 65533
+    # Not under pytest's tmp_path: its parents are root's 0700, closed to uid 1000.
+    directory = Path(tempfile.mkdtemp(prefix="wc-peergroups-", dir="/tmp"))
+    path = str(directory / "d.sock")
+    try:
+        directory.chmod(0o755)
+        with listen_unix(path, backlog=1) as listener:
+            os.chmod(path, 0o666)
+            listener.settimeout(30)  # a peer that never connects fails the test, not hangs it
+            child = os.fork()
+            if child == 0:  # the engine: uid 1000, primary gid 1000, supplementary 65533
+                try:
+                    os.setgroups([65533])
+                    os.setgid(1000)
+                    os.setuid(1000)
+                    with socket.socket(socket.AF_UNIX) as s:
+                        s.settimeout(30)
+                        s.connect(path)
+                        s.recv(1)
+                finally:
+                    os._exit(0)
             try:
-                os.setgroups([65533])
-                os.setgid(1000)
-                os.setuid(1000)
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(path)
-                    s.recv(1)
+                conn, _ = listener.accept()
+                with conn:
+                    _, uid, gid = peer_credentials(conn)
+                    groups = peer_groups(conn)
+                    conn.sendall(b"x")
             finally:
-                os._exit(0)
-        conn, _ = listener.accept()
-        with conn:
-            _, uid, gid = peer_credentials(conn)
-            groups = peer_groups(conn)
-            conn.sendall(b"x")
-        os.waitpid(child, 0)
+                os.waitpid(child, 0)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     assert (uid, gid) == (1000, 1000)
     assert 65533 in groups
     assert PeerPolicy(frozenset(), frozenset({65533})).allows(uid, gid, groups)
