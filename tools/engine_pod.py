@@ -1,6 +1,9 @@
-"""The MiniLM engine Deployment for the real node (`make demo-k8s`, tests/k8s/test_real_pods.py).
+"""The MiniLM engine Deployments for the real node (`make demo-k8s`, tests/k8s/test_real_*.py).
 
-docs/engine-pod.md's additions to an engine Deployment, with the image of
+`labelled_engine_deployment`: the one-label engine (the webhook and the CSI
+driver do the rest), as docs/engine-pod.md shows first. `engine_deployment`:
+the hostPath fallback, docs/engine-pod.md's additions to an engine Deployment,
+with the image of
 examples/minilm-engine.Dockerfile: the readiness gate with `maxUnavailable:
 0`, the cache's socket directory mounted read-only and its `engines/`
 hand-back directory writable (re-adoption), a uid of the engine's own in the
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 GATE_CONDITION = "weightcache.dev/weights-resident"
+CACHE_LABEL = "weightcache.dev/cache"
 ENGINE_UID = 1000
 
 
@@ -96,5 +100,74 @@ def engine_deployment(
             },
             "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": {**labels, "version": version}}, "spec": pod},
+        },
+    }
+
+
+def labelled_engine_deployment(
+    *,
+    namespace: str,
+    name: str,
+    cache: str,
+    image: str,
+    node: str,
+    version: str,
+    replicas: int = 1,
+    uid: int = ENGINE_UID,
+) -> dict[str, Any]:
+    """The same engine as a platform team writes it with the webhook (docs/engine-pod.md):
+    the label `weightcache.dev/cache: <cache>` and nothing of weightcache's else; what a
+    namespace at Pod Security `restricted` demands of any pod; the checkpoint for the
+    comparison from the image itself (no host path). The webhook adds the gate, the CSI
+    volume, the socket environment and the daemon's group."""
+    labels = {"app": name}
+    pod = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "runAsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "engine",
+                "image": image,
+                "imagePullPolicy": "Never",
+                "args": ["--interval", "1", "--ready-file", "/tmp/ready"],
+                "readinessProbe": {
+                    "exec": {"command": ["test", "-e", "/tmp/ready"]},
+                    "periodSeconds": 2,
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "resources": {
+                    "requests": {"cpu": "100m", "memory": "256Mi"},
+                    "limits": {"memory": "1536Mi"},
+                },
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }
+        ],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": {**labels, CACHE_LABEL: cache, "version": version}},
+                "spec": pod,
+            },
         },
     }

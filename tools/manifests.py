@@ -9,6 +9,7 @@
 | files/operator-rules.yaml               | weightcache_operator.rbac.OPERATOR_RULES  |
 | files/operator-daemon-namespace-rules.yaml | rbac.OPERATOR_DAEMON_NAMESPACE_RULES   |
 | files/operator-migration-rules.yaml     | rbac.OPERATOR_MIGRATION_RULES             |
+| files/csi-rules.yaml                    | rbac.CSI_PLUGIN_RULES                     |
 | files/daemon-rules.yaml                 | weightcache_operator.rbac.DAEMON_RULES    |
 
 The chart's templates include the rule files (`.Files.Get`), so the rules the
@@ -48,6 +49,8 @@ def generated() -> dict[Path, str]:
         rbac.OPERATOR_MIGRATION_RULES, "weightcache_operator.rbac.OPERATOR_MIGRATION_RULES")
     files[CHART / "files" / "daemon-rules.yaml"] = _rules(
         rbac.DAEMON_RULES, "weightcache_operator.rbac.DAEMON_RULES")
+    files[CHART / "files" / "csi-rules.yaml"] = _rules(
+        rbac.CSI_PLUGIN_RULES, "weightcache_operator.rbac.CSI_PLUGIN_RULES")
     return files
 
 

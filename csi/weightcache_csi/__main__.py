@@ -2,6 +2,8 @@
 
     python -m weightcache_csi serve --endpoint /csi/csi.sock --node-id $NODE_NAME \
         --socket-root /var/run/weightcache=/host/sockets/0 [--socket-root ...]
+    python -m weightcache_csi register --csi-address /csi/csi.sock \
+        --kubelet-registration-path /var/lib/kubelet/plugins/weightcache.dev/csi.sock
 
 Each `--socket-root` maps a socket directory the cluster's cache policy
 allows (a host path, as WeightCaches name it in spec.socketDir) to where this
@@ -33,7 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--node-id", required=True)
     serve.add_argument("--socket-root", type=_root, action="append", required=True,
                        metavar="HOST_PATH=LOCAL_PATH")
+    register = sub.add_parser("register", help="kubelet plugin registration "
+                              "(node-driver-registrar's flags; registrar.py)")
+    register.add_argument("--csi-address", required=True)
+    register.add_argument("--kubelet-registration-path", required=True)
+    register.add_argument("--plugin-registration-path", default="/registration")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "register":
+        from .registrar import run
+
+        return run(args.csi_address, args.kubelet_registration_path,
+                   args.plugin_registration_path)
 
     from weightcache.kubeclient import api_client
 

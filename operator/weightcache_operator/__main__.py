@@ -2,6 +2,7 @@
 
     python -m weightcache_operator run [--metrics-port 8080]
         [--liveness http://0.0.0.0:8081/healthz]
+        [--webhook-port 9443 --webhook-cert tls.crt --webhook-key tls.key]
 
 Credentials come from the pod's ServiceAccount in a cluster, else $KUBECONFIG.
 What WeightCaches may ask for (images, host paths, transports) comes from
@@ -30,13 +31,22 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    memo = kopf.Memo(policy=policy)
+    if args.webhook_port:
+        if not (args.webhook_cert and args.webhook_key):
+            print("weightcache-operator: --webhook-port needs --webhook-cert and --webhook-key",
+                  file=sys.stderr)
+            return 2
+        from .webhook import WebhookConfig  # importing registers the handler
+
+        memo.webhook = WebhookConfig(args.webhook_port, args.webhook_cert, args.webhook_key)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     kopf.run(
         standalone=True,
         clusterwide=True,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(policy=policy),
+        memo=memo,
     )
     return 0
 
@@ -51,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--metrics-addr", default="0.0.0.0")
     run.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                      help="kopf liveness endpoint URL; empty disables")
+    run.add_argument("--webhook-port", type=int, default=0,
+                     help="serve the one-label pod webhook (HTTPS) on this port; 0 disables")
+    run.add_argument("--webhook-cert", default="", help="the webhook's certificate (PEM)")
+    run.add_argument("--webhook-key", default="", help="the webhook's private key (PEM)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=_run)
     args = parser.parse_args(argv)

@@ -107,6 +107,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    if "webhook" in memo:
+        # The chart owns the MutatingWebhookConfiguration: kopf only serves (webhook.py).
+        settings.admission.server = memo.webhook.server()
+        settings.admission.managed = None
     if "reconciler" not in memo:
         policy = memo.policy if "policy" in memo else policy_from_env()
         memo.reconciler = Reconciler(Kube(api_client()), policy, os.getuid())

@@ -50,6 +50,13 @@ DAEMON_RULES: list[dict[str, Any]] = [
 ]
 
 
+# The CSI node plugin reads the WeightCache a volume names, to check the pod's namespace
+# may use it and find its socket directory (csi/weightcache_csi).
+CSI_PLUGIN_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "verbs": ["get"]},
+]
+
+
 def cluster_role(name: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",

@@ -241,8 +241,9 @@ class Reconciler:
         label = names.node_label_name(namespace, name)
         for node in sorted(set(result.verdicts) | set(state.nodes_labelled(label))):
             await self.node_label(state, node, namespace, name)
-        for pod in state.engine_pods(namespace):
-            await self.engine_pod(state, namespace, pod.name, pod.node)
+        # Every namespace: one the cache stopped listing holds pods whose gates now close.
+        for pod in state.engine_pods_of(namespace, name):
+            await self.engine_pod(state, pod.namespace, pod.name, pod.node)
         if status_error is not None:
             raise status_error
 
@@ -252,8 +253,10 @@ class Reconciler:
         """A daemon pod changed: its node's label and engine gates now, the status soon."""
         if node:
             await self.node_label(state, node, namespace, cache_name)
-            for pod in state.engine_pods_on(namespace, node):
-                await self.engine_pod(state, namespace, pod.name, node)
+            cache = state.cache(namespace, cache_name)
+            others = self._others(cache) if cache is not None else ()
+            for pod in state.engine_pods_of(namespace, cache_name, others, node):
+                await self.engine_pod(state, pod.namespace, pod.name, node)
         self.request_status(state, namespace, cache_name)
 
     def request_status(self, state: State, namespace: str, name: str) -> None:
@@ -389,8 +392,8 @@ class Reconciler:
             await self._delete_daemonset(ref, gone, "its cache is deleted")
         for node in state.nodes_labelled(names.node_label_name(namespace, name)):
             await self.node_label(state, node, namespace, name, exclude=uid)
-        for pod in state.engine_pods(namespace):
-            await self.engine_pod(state, namespace, pod.name, pod.node, exclude=uid)
+        for pod in state.engine_pods_of(namespace, name):
+            await self.engine_pod(state, pod.namespace, pod.name, pod.node, exclude=uid)
         metrics.forget_cache(namespace, name)
         self.statuses.forget(uid)
         self.announced.pop(uid, None)
@@ -409,6 +412,11 @@ class Reconciler:
                         self.labels.record((view.name, label), False, view.resource_version)
 
     # ------------------------------------------------------------------ helpers
+
+    def _others(self, cache: views.CacheView) -> tuple[str, ...]:
+        """The namespaces besides its own whose one-label pods the cache gates."""
+        parsed = self.parsed(cache)
+        return () if isinstance(parsed, SpecError) else parsed[0].engine.namespaces
 
     def _aggregate(self, state: State, cache: views.CacheView) -> aggregate.Aggregate:
         now = rfc3339_now()
@@ -473,12 +481,18 @@ class Reconciler:
         self, state: State, pod: views.EnginePodView, exclude: str | None
     ) -> dict[str, gate.Verdict]:
         verdicts: dict[str, gate.Verdict] = {}
-        for cache in state.live_caches(pod.namespace, exclude=exclude):
+        candidates = state.live_caches(pod.namespace, exclude=exclude)
+        named = state.cache(pod.cache_namespace, pod.cache) if pod.cache else None
+        if named is not None and named not in candidates and not named.deleting \
+                and named.uid != exclude:
+            candidates.append(named)
+        for cache in candidates:
             parsed = self.parsed(cache)
-            selector = None if isinstance(parsed, SpecError) else parsed[0].engine.selector
-            if selector is None or not selector.matches(pod.labels):
+            if isinstance(parsed, SpecError) or not _selects(cache, parsed[0], pod):
                 continue
-            verdicts[cache.name] = (
+            key = cache.name if cache.namespace == pod.namespace else (
+                f"{cache.namespace}/{cache.name}")
+            verdicts[key] = (
                 self.verdict(state, cache, pod.node)
                 if pod.node
                 else gate.Verdict(False, gate.POD_NOT_SCHEDULED, "")
@@ -496,6 +510,18 @@ class Reconciler:
             metrics.ERRORS.labels("node").inc()
             raise
         log.info("node %s labels: %s", node, dict(patch))
+
+
+def _selects(cache: views.CacheView, spec: WeightCacheSpec, pod: views.EnginePodView) -> bool:
+    """A cache gates a pod its `spec.engine.selector` matches in its own namespace, and a
+    one-label pod naming it (`weightcache.dev/cache`) from its own namespace or one it
+    lists in `spec.engine.namespaces`."""
+    if pod.namespace == cache.namespace:
+        selector = spec.engine.selector
+        if selector is not None and selector.matches(pod.labels):
+            return True
+    return (pod.cache == cache.name and pod.cache_namespace == cache.namespace
+            and (pod.namespace == cache.namespace or pod.namespace in spec.engine.namespaces))
 
 
 def _parse(cache: views.CacheView) -> Parsed | SpecError:

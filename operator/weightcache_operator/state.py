@@ -119,6 +119,22 @@ class State:
             for p in self.engine_pods_index.get(key, [])
         ]
 
+    def engine_pods_of(self, namespace: str, name: str, others: tuple[str, ...] | None = None,
+                       node: str | None = None) -> list[views.EnginePodView]:
+        """The cache's engine pods (on one node, if given): every gated pod of its namespace,
+        and the one-label pods naming it in the namespaces `others` (None: every namespace,
+        a scan for the rare whole-cache pass; a node's pass names them and reads by key, so
+        it costs the same in any fleet)."""
+        def pods(ns: str) -> list[views.EnginePodView]:
+            return self.engine_pods_on(ns, node) if node is not None else self.engine_pods(ns)
+
+        spaces = ({key[0] for key in list(self.engine_pods_index)} if others is None
+                  else set(others))
+        return pods(namespace) + [
+            p for ns in sorted(spaces - {namespace}) for p in pods(ns)
+            if p.cache == name and p.cache_namespace == namespace
+        ]
+
     def node(self, name: str) -> views.NodeView | None:
         return next(iter(self.nodes.get(name, [])), None)
 

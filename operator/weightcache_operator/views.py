@@ -64,6 +64,10 @@ class EnginePodView:
     gate: Condition | None
     terminating: bool
     resource_version: str = ""
+    # The cache a one-label pod names (`weightcache.dev/cache`), and that cache's
+    # namespace (its annotation `weightcache.dev/cache-namespace`, else the pod's).
+    cache: str = ""
+    cache_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,9 @@ def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
         gate=gate,
         terminating=meta.get("deletionTimestamp") is not None,
         resource_version=str(meta.get("resourceVersion") or ""),
+        cache=(meta.get("labels") or {}).get(names.CACHE_LABEL, ""),
+        cache_namespace=(meta.get("annotations") or {}).get(names.CACHE_NAMESPACE_LABEL)
+        or meta.get("namespace", ""),
     )
 
 

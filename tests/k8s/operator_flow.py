@@ -250,10 +250,12 @@ class OperatorProcess:
     """`python -m weightcache_operator run` with only the given kubeconfig's rights."""
 
     def __init__(self, kubeconfig: Path, log_path: Path, policy: dict[str, Any],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.policy = policy
+        # Extra command-line arguments (e.g. the webhook's).
+        self.args = list(args or [])
         # Where it runs the caches' DaemonSets.
         self.daemon_namespace: str = policy.get("daemonNamespace", "")
         # Extra environment, e.g. PYTHONPATH to run another checkout's operator.
@@ -270,7 +272,7 @@ class OperatorProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weightcache_operator", "run",
              "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1",
-             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"],
+             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz", *self.args],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
         )
         log.close()

@@ -20,6 +20,7 @@ for a state with a generous bound; nothing asserts on time.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -54,6 +55,7 @@ from tests.k8s.operator_flow import (
 )
 from tools.testenv import kubeconfig
 from tools.testenv.cluster import Cluster
+from tools.testenv.procs import free_ports
 from weightcache.client import daemon_status
 from weightcache.report import annotation_key
 from weightcache_operator import names, rbac
@@ -159,11 +161,23 @@ class ChartOperator(OperatorProcess):
         policy = next(e["value"] for e in self.container["env"]
                       if e["name"] == "WEIGHTCACHE_POLICY")
         super().__init__(config, log_path, json.loads(policy))
+        # The webhook's certificate, as the Deployment mounts it from the chart's Secret.
+        secret = get(cluster, "secret", "-n", rel.namespace, f"{rel.fullname}-webhook-tls")
+        self.tls = log_path.parent / "webhook-tls"
+        self.tls.mkdir(exist_ok=True)
+        for key in ("tls.crt", "tls.key"):
+            (self.tls / key).write_bytes(base64.b64decode(secret["data"][key]))
+        (self.webhook_port,) = free_ports(1)
 
     def argv(self) -> list[str]:
         c = self.container
         assert c["command"][0] == "python", c["command"]
-        return [sys.executable, *c["command"][1:], *c["args"],
+        local = {"--webhook-port": str(self.webhook_port),
+                 "--webhook-cert": str(self.tls / "tls.crt"),
+                 "--webhook-key": str(self.tls / "tls.key")}
+        args = [f"{flag}={local[flag]}" if flag in local else arg
+                for arg in c["args"] for flag in [arg.split("=", 1)[0]]]
+        return [sys.executable, *c["command"][1:], *args,
                 f"--metrics-port={self.metrics_port}", "--metrics-addr=127.0.0.1",
                 f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz"]
 
@@ -476,6 +490,89 @@ def test_each_verb_of_the_operators_roles_is_used(
             cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"],
                             *(["-n", rel.namespace] if namespaced else []),
                             "--wait=false", check=False)
+
+
+# ----------------------------------------------------------------------- the CSI plugin's rights
+
+
+def publish_as(cluster: Cluster, config: Path, tmp: Path, cache_ns: str, cache: str,
+               pod_ns: str) -> Any:
+    """Run the real plugin (`python -m weightcache_csi serve`) with `config`'s identity and ask it,
+    as kubelet would, to publish the cache's volume for a pod of `pod_ns`; its answer or error."""
+    import grpc
+
+    from weightcache_csi.stubs import csi_pb2, csi_pb2_grpc
+
+    root = tmp / "sockets"
+    (root / f"{cache_ns}.{cache}").mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)
+    endpoint = tmp / "csi.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = str(config)
+    plugin = subprocess.Popen(
+        [sys.executable, "-m", "weightcache_csi", "serve", f"--endpoint={endpoint}",
+         "--node-id=kwok", f"--socket-root=/var/run/weightcache={root}"],
+        env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = tmp / "pod" / "mount"
+    try:
+        with grpc.insecure_channel(f"unix://{endpoint}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            node = csi_pb2_grpc.NodeStub(channel)
+            try:
+                return node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+                    volume_id="csi-test", target_path=str(target),
+                    volume_capability=csi_pb2.VolumeCapability(
+                        mount=csi_pb2.VolumeCapability.MountVolume()),
+                    volume_context={"cache": f"{cache_ns}/{cache}",
+                                    "csi.storage.k8s.io/pod.namespace": pod_ns,
+                                    "csi.storage.k8s.io/pod.name": "engine",
+                                    "csi.storage.k8s.io/ephemeral": "true"}), timeout=30)
+            except grpc.RpcError as error:
+                return error
+            finally:
+                node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+                    volume_id="csi-test", target_path=str(target)), timeout=30)
+    finally:
+        plugin.terminate()
+        plugin.wait(timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the plugin bind-mounts, as root")
+def test_the_csi_plugins_one_grant_is_used(
+    cluster: Cluster, release: Release, tmp_path: Path
+) -> None:
+    """With the chart's plugin account, a publish of a cache the pod may use succeeds; with
+    that account's one rule (get weightcaches) taken away it fails naming the refusal."""
+    import grpc
+
+    rel = release
+    name = f"csi-{uuid.uuid4().hex[:6]}"
+    apply(cluster, weightcache(rel.cache_namespace, name, cluster.node_names[0]))
+    account = f"{rel.fullname}-csi"
+    config = token_kubeconfig(cluster, tmp_path / "csi.kubeconfig", rel.namespace, account)
+    installed = get(cluster, "clusterrole", account)["rules"]
+    assert without(installed, "", "", "") == rbac.CSI_PLUGIN_RULES
+    ok = publish_as(cluster, config, tmp_path / "granted", rel.cache_namespace, name,
+                    rel.cache_namespace)
+    assert not isinstance(ok, grpc.RpcError), ok.details()
+    refused = publish_as(cluster, config, tmp_path / "other-ns", rel.cache_namespace, name,
+                         "elsewhere")
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    minus = f"{account}-minus"
+    objects = [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": minus, "namespace": rel.namespace}},
+    ]
+    apply(cluster, *objects)
+    try:
+        config = token_kubeconfig(cluster, tmp_path / "minus.kubeconfig", rel.namespace, minus)
+        error = publish_as(cluster, config, tmp_path / "minus", rel.cache_namespace, name,
+                           rel.cache_namespace)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert forbidden("get", "weightcaches", "weightcache.dev") in error.details()
+    finally:
+        cluster.kubectl("delete", "serviceaccount", "-n", rel.namespace, minus, "--wait=false")
+        cluster.kubectl("delete", "wc", "-n", rel.cache_namespace, name, "--wait=false")
 
 
 # --------------------------------------------------------------------------- the daemon's rights

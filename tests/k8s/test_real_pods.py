@@ -1,4 +1,4 @@
-"""End to end on the real node: every pod here is a real container.
+"""End to end on the real node, the hostPath fallback: every pod here is a real container.
 
 The chart installs the operator as its Deployment (the operator image built
 from operator/Dockerfile, under the chart's ServiceAccount); a CPU WeightCache
@@ -177,6 +177,10 @@ def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.Im
         "image": {"repository": operator_repo, "tag": operator_tag, "pullPolicy": "Never"},
         "sidecarImage": {"repository": sidecar_repo, "tag": sidecar_tag},
         "nodeSelector": {"kubernetes.io/hostname": real_cluster.real_node_name},
+        # The hostPath fallback, without the webhook and the CSI driver
+        # (tests/k8s/test_real_csi.py runs those).
+        "webhook": {"enabled": False},
+        "csi": {"enabled": False},
         # The cache policy admits exactly this run's socket root and the checkpoint's directory.
         "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(socket_root)],
                                              "modelDirs": [str(minilm_dir())]}},

@@ -108,6 +108,10 @@ def apiserver_args(
         f"--kubelet-client-key={certs.apiserver_kubelet_client.key}",
         f"--kubelet-certificate-authority={certs.ca.cert}",
         "--kubelet-preferred-address-types=InternalIP",
+        # There is no kube-proxy: a Service-referenced admission webhook (the chart's)
+        # is dialled at its endpoint's pod IP, through the egress to the node, not at
+        # a ClusterIP nothing answers.
+        "--enable-aggregator-routing=true",
     ]
     if egress_config is not None:
         args.append(f"--egress-selector-config-file={egress_config}")

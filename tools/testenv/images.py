@@ -8,7 +8,8 @@ everything that went into it, so an unchanged input is never rebuilt):
 - `torch`: `python` plus torch from PyPI (about 6 GB with its CUDA wheels,
   the only torch reachable here), keyed by the torch version alone, so code
   changes rebuild only the thin layers above it;
-- `operator`, `sidecar`, `minilm-engine`: the repository's Dockerfiles, built
+- `operator` (also the CSI plugin's), `sidecar`, `minilm-engine`: the repository's
+  Dockerfiles, built
   by `buildah bud --isolation chroot` with `BASE_IMAGE` pointing at the local
   base (`operator` on `python`: no torch);
 - `pause`: kubelet's sandbox image, `build/pause/linux/pause.c` of the pinned
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools import csi_stubs
 from tools.testenv import assets
 from tools.testenv.node import NodeSpec
 from tools.testenv.nodeconfig import DEFAULT_NAME
@@ -78,7 +80,7 @@ class DockerfileImage:
 
 DOCKERFILE_IMAGES = (
     DockerfileImage("operator", "operator/Dockerfile", "python",
-                    ("pyproject.toml", "sidecar", "operator")),
+                    ("pyproject.toml", "sidecar", "operator", "csi")),
     DockerfileImage("sidecar", "sidecar/Dockerfile", "torch",
                     ("pyproject.toml", "sidecar", "operator")),
     DockerfileImage("minilm-engine", "examples/minilm-engine.Dockerfile", "torch",
@@ -211,6 +213,8 @@ def ensure_images(log: Log = _stderr, env: Mapping[str, str] = os.environ) -> Im
     Old tags of the same images are removed afterwards, so the store holds one
     generation (plus the torch layer, which rarely changes).
     """
+    # The operator image carries the CSI plugin, whose stubs are generated, not committed.
+    csi_stubs.generate()
     root = cache_dir(env)
     buildah = Buildah(root / "buildah", log)
     seconds: dict[str, float] = {}

@@ -255,6 +255,7 @@ class RealNode:
         self.log(f"testenv: containerd up (image store {store})")
         self.load_images(ctr_argv(layout), self.log)
 
+        share_kubelet_root(layout.kubelet_root)
         for name in KUBELET_SYSCTLS:
             with contextlib.suppress(OSError):
                 record["sysctls"][name] = Path("/proc/sys", name).read_text().strip()
@@ -304,6 +305,20 @@ class RealNode:
             self._guard.wait(timeout=30)
             self._guard = None
         self.layout = None
+
+
+def share_kubelet_root(root: Path) -> None:
+    """Make kubelet's root directory a shared mount of its own (this machine's / is private).
+
+    A CSI plugin mounts into pods' volume directories with `Bidirectional`
+    propagation, which containerd grants only on a shared mount; the bind
+    lies under the run directory, which teardown unmounts whole.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    for args in (["--bind", str(root), str(root)], ["--make-rshared", str(root)]):
+        result = subprocess.run(["mount", *args], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NodeUnavailable(f"testenv: mount {' '.join(args)}: {result.stderr.strip()}")
 
 
 def _listening_in(ns: Path, host: str, port: int) -> bool:

@@ -45,7 +45,7 @@ def test_the_operator_writes_daemonsets_only_in_the_namespaces_the_chart_names(
     # The ClusterRole reads DaemonSets (list, watch); nothing cluster-wide writes one.
     assert not {v for _, r, v in canonical(cluster_role["rules"]) if r == "daemonsets"} - {
         "list", "watch"}
-    binding = one(docs, "ClusterRoleBinding")
+    binding = one(docs, "ClusterRoleBinding", "-weightcache-operator")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": cluster_role["metadata"]["name"]}
     sa = one(docs, "ServiceAccount", "-weightcache-operator")
@@ -100,3 +100,16 @@ def test_rbac_can_be_left_to_the_cluster_admin(render: Renderer) -> None:
     docs = render(set_values=["rbac.create=false"])
     assert roles(docs, "ClusterRole") == [] and roles(docs, "Role") == []
     assert [d for d in docs if d["kind"] == "ClusterRoleBinding"] == []
+
+
+def test_the_csi_plugin_may_only_read_weightcaches(render: Renderer) -> None:
+    docs = render(set_values=["daemon.namespace=daemons"])
+    (role,) = roles(docs, "ClusterRole", "csi")
+    assert canonical(role["rules"]) == canonical(rbac.CSI_PLUGIN_RULES)
+    (binding,) = roles(docs, "ClusterRoleBinding", "csi")
+    (account,) = roles(docs, "ServiceAccount", "csi")
+    assert account["metadata"]["namespace"] == "daemons"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": "daemons"}]
+    plugin = one(docs, "DaemonSet", "-csi")
+    assert plugin["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]

@@ -142,3 +142,69 @@ def test_helm_test_pod_checks_the_operator_endpoints(render: Renderer) -> None:
     ]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert not [d for d in render(set_values=["tests.enabled=false"]) if d["kind"] == "Pod"]
+
+
+def test_the_csi_driver_serves_inline_ephemeral_volumes_only(render: Renderer) -> None:
+    docs = render(set_values=["csi.kubeletRootDir=/srv/kubelet"])
+    driver = one(docs, "CSIDriver")
+    assert driver["metadata"]["name"] == "weightcache.dev"
+    assert driver["spec"]["attachRequired"] is False
+    assert driver["spec"]["podInfoOnMount"] is True
+    assert driver["spec"]["volumeLifecycleModes"] == ["Ephemeral"]
+    plugin = one(docs, "DaemonSet", "-csi")
+    spec = plugin["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    mounts = {m["name"]: m for m in containers["plugin"]["volumeMounts"]}
+    assert mounts["pods-dir"] == {"name": "pods-dir", "mountPath": "/srv/kubelet/pods",
+                                  "mountPropagation": "Bidirectional"}
+    assert "--socket-root=/var/run/weightcache=/host/sockets/0" in containers["plugin"]["args"]
+    assert ("--kubelet-registration-path=/srv/kubelet/plugins/weightcache.dev/csi.sock"
+            in containers["registrar"]["args"])
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    assert volumes["registration-dir"] == "/srv/kubelet/plugins_registry"
+    assert volumes["sockets-0"] == "/var/run/weightcache"
+    # The operator's own image runs the privileged plugin, never an author's.
+    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert containers["plugin"]["image"] == operator["image"]
+    assert containers["registrar"]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_the_webhook_sees_only_labelled_pods_and_fails_closed(render: Renderer) -> None:
+    docs = render()
+    (hook,) = one(docs, "MutatingWebhookConfiguration")["webhooks"]
+    assert hook["failurePolicy"] == "Fail"
+    assert hook["sideEffects"] == "None"
+    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                              "resources": ["pods"], "scope": "Namespaced"}]
+    assert hook["objectSelector"]["matchExpressions"] == [
+        {"key": "weightcache.dev/cache", "operator": "Exists"},
+        {"key": "app.kubernetes.io/managed-by", "operator": "NotIn",
+         "values": ["weightcache-operator"]}]
+    service = one(docs, "Service", "-webhook")
+    assert hook["clientConfig"]["service"] == {
+        "name": service["metadata"]["name"], "namespace": "wc-system", "path": "/inject",
+        "port": 443}
+    secret = one(docs, "Secret", "-webhook-tls")
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--webhook-port=9443" in operator["args"]
+    assert {"name": "webhook-tls", "mountPath": "/tls", "readOnly": True} in operator[
+        "volumeMounts"]
+
+
+def test_the_webhook_can_take_its_certificate_from_cert_manager(render: Renderer) -> None:
+    docs = render(set_values=["webhook.tls.source=cert-manager"])
+    config = one(docs, "MutatingWebhookConfiguration")
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].startswith(
+        "wc-system/")
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert [d for d in docs if d["kind"] == "Secret"] == []
+    certificate = one(docs, "Certificate")
+    assert certificate["spec"]["secretName"].endswith("-webhook-tls")
+
+
+def test_webhook_and_csi_can_be_left_out(render: Renderer) -> None:
+    docs = render(set_values=["webhook.enabled=false", "csi.enabled=false"])
+    assert not [d for d in docs if d["kind"] in ("MutatingWebhookConfiguration", "CSIDriver")]
+    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert not [a for a in operator["args"] if a.startswith("--webhook")]

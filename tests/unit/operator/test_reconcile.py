@@ -565,3 +565,29 @@ def test_a_gate_message_alone_is_coalesced_but_opening_is_written_at_once(
 
     run(node_loads())
     assert len(kube.of("gate")) == 2
+
+
+def labelled_engine(namespace: str = NS, name: str = "one-label") -> EnginePodView:
+    """A pod carrying only the webhook's label (and its gate), no selector labels."""
+    return EnginePodView(namespace, name, f"uid-{name}", {names.CACHE_LABEL: NAME}, NODE, None,
+                         False, "1", NAME, NS)
+
+
+def test_a_one_label_pod_is_gated_by_the_cache_it_names(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    run(reconciler.cache(state(engines=[labelled_engine()]), NS, NAME))
+    assert kube.of("gate") == [("one-label", "True", gate.WEIGHTS_RESIDENT)]
+
+
+def test_a_pod_of_another_namespace_is_gated_only_where_the_cache_lets_it_in(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    elsewhere = labelled_engine("serving", "cross")
+    run(reconciler.engine_pod(state(engines=[elsewhere]), "serving", "cross", NODE))
+    assert kube.of("gate") == [("cross", "False", gate.NO_WEIGHTCACHE)]
+    kube.writes.clear()
+    letting = cache(generation=2,  # a spec change
+                    spec={**SPEC, "engine": {**SPEC["engine"], "namespaces": ["serving"]}})
+    run(reconciler.cache(state(caches=[letting], engines=[elsewhere]), NS, NAME))
+    assert kube.of("gate") == [("cross", "True", gate.WEIGHTS_RESIDENT)]

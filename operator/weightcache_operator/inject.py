@@ -1,0 +1,130 @@
+"""One-label engine pods: what the mutating webhook adds to a pod (pure).
+
+A pod labelled `weightcache.dev/cache: <name>` asks for the cache `<name>` of
+its own namespace (or of the namespace its annotation
+`weightcache.dev/cache-namespace` names, if that cache lists the pod's
+namespace in `spec.engine.namespaces`). The webhook (webhook.py) adds, only
+what is missing, so a second admission changes nothing:
+
+- the readiness gate `weightcache.dev/weights-resident` (the operator opens it);
+- an inline CSI volume of driver `weightcache.dev` naming the cache, mounted
+  in every container at `/run/wc/<namespace>.<name>` (a short root: a Unix
+  socket path must fit in 107 bytes, the same root the daemon uses);
+- the environment the engine's loader reads: `WEIGHTCACHE_SOCKET_DIR=/run/wc`,
+  `WEIGHTCACHE_CACHE=<namespace>.<name>`, and `WEIGHTCACHE_DAEMON_UIDS`, the
+  daemon uid the engine must see on the socket (`SO_PEERCRED`);
+- the daemon's group in the pod's `supplementalGroups`: the socket directory
+  is 0750 and the socket 0660 in that group, and the daemon admits a peer by
+  that group (`SO_PEERGROUPS`) whatever the pod's own uid and gid.
+
+A label naming a cache that does not exist, or one the pod's namespace may
+not use, is refused (`Refused`), never passed through ungated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+from .render import CONTAINER_SOCKET_ROOT
+from .spec import DNS_LABEL_RE, DNS_SUBDOMAIN_RE, SpecError, parse_spec
+from .views import CacheView
+
+VOLUME = "weightcache-sockets"
+SOCKET_DIR_ENV = "WEIGHTCACHE_SOCKET_DIR"
+CACHE_ENV = "WEIGHTCACHE_CACHE"
+DAEMON_UIDS_ENV = "WEIGHTCACHE_DAEMON_UIDS"
+
+
+class Refused(Exception):
+    """The pod may not have what its label asks for; `code` is the HTTP status to answer."""
+
+    def __init__(self, message: str, code: int = 403) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The cache a pod's label names."""
+
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Injection:
+    namespace: str
+    name: str
+    daemon_uid: int
+    daemon_gid: int
+
+    @property
+    def directory(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+    @property
+    def mount_path(self) -> str:
+        return f"{CONTAINER_SOCKET_ROOT}/{self.directory}"
+
+
+def wanted(pod_namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str]
+           ) -> Wanted:
+    """The cache the pod names; `Refused` (400) for a value that names none."""
+    name = labels.get(names.CACHE_LABEL, "")
+    namespace = annotations.get(names.CACHE_NAMESPACE_LABEL) or pod_namespace
+    if not (name and len(name) <= 253 and DNS_SUBDOMAIN_RE.match(name)):
+        raise Refused(f"label {names.CACHE_LABEL}: {name!r} is not a WeightCache name", 400)
+    if not (len(namespace) <= 63 and DNS_LABEL_RE.match(namespace)):
+        raise Refused(f"annotation {names.CACHE_NAMESPACE_LABEL}: {namespace!r} is not a "
+                      "namespace", 400)
+    return Wanted(namespace, name)
+
+
+def decide(pod_namespace: str, want: Wanted, cache: CacheView | None) -> Injection:
+    """What to inject for a pod of `pod_namespace`; `Refused` says why there is nothing."""
+    ref = f"{want.namespace}/{want.name}"
+    if cache is None:
+        raise Refused(f"WeightCache {ref} does not exist (label {names.CACHE_LABEL})")
+    if cache.deleting:
+        raise Refused(f"WeightCache {ref} is being deleted")
+    try:
+        spec = parse_spec(cache.spec)
+    except SpecError as exc:
+        raise Refused(f"WeightCache {ref} is invalid: {exc}") from None
+    if pod_namespace != cache.namespace and pod_namespace not in spec.engine.namespaces:
+        raise Refused(f"namespace {pod_namespace} may not use WeightCache {ref} (it is not "
+                      "the cache's namespace, nor listed in its spec.engine.namespaces)")
+    return Injection(cache.namespace, cache.name, spec.sidecar.run_as_user,
+                     spec.sidecar.run_as_group)
+
+
+def mutated_spec(pod_spec: Mapping[str, Any], injection: Injection) -> dict[str, Any]:
+    """The pod spec with what is missing added; equal to the input when nothing is."""
+    spec = copy.deepcopy(dict(pod_spec))
+    gates = spec.setdefault("readinessGates", [])
+    if not any(g.get("conditionType") == names.GATE_CONDITION for g in gates):
+        gates.append({"conditionType": names.GATE_CONDITION})
+    volumes = spec.setdefault("volumes", [])
+    if not any(v.get("name") == VOLUME for v in volumes):
+        volumes.append({"name": VOLUME, "csi": {
+            "driver": names.CSI_DRIVER,
+            "volumeAttributes": {names.CSI_CACHE_ATTRIBUTE: f"{injection.namespace}/"
+                                                           f"{injection.name}"}}})
+    env = {SOCKET_DIR_ENV: CONTAINER_SOCKET_ROOT, CACHE_ENV: injection.directory,
+           DAEMON_UIDS_ENV: str(injection.daemon_uid)}
+    for container in spec.get("containers") or []:
+        mounts = container.setdefault("volumeMounts", [])
+        if not any(m.get("name") == VOLUME for m in mounts):
+            mounts.append({"name": VOLUME, "mountPath": injection.mount_path})
+        variables = container.setdefault("env", [])
+        present = {v.get("name") for v in variables}
+        variables.extend({"name": k, "value": v} for k, v in env.items() if k not in present)
+    security = spec.setdefault("securityContext", {})
+    groups = security.setdefault("supplementalGroups", [])
+    if injection.daemon_gid not in groups:
+        groups.append(injection.daemon_gid)
+    return spec

@@ -1,0 +1,54 @@
+"""The mutating admission webhook for one-label engine pods, on kopf's admission support.
+
+`python -m weightcache_operator run --webhook-port 9443 --webhook-cert ... --webhook-key ...`
+imports this module, which registers the handler; kopf serves it over HTTPS
+at `/inject` with the given certificate (the chart's, made by Helm or
+cert-manager; it re-reads the files when they change). The chart owns the
+MutatingWebhookConfiguration (objectSelector on the label, `failurePolicy:
+Fail`), so the operator never writes webhook configurations: kopf's
+`settings.admission.managed` stays off.
+
+What is added, and when a pod is refused, is decided in inject.py (pure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from . import inject, names
+from .handlers import state_of
+
+WEBHOOK_ID = "inject"
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    port: int
+    certfile: str
+    keyfile: str
+
+    def server(self) -> kopf.WebhookServer:
+        return kopf.WebhookServer(addr="0.0.0.0", port=self.port, certfile=self.certfile,
+                                  pkeyfile=self.keyfile)
+
+
+@kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False,
+                labels={names.CACHE_LABEL: kopf.PRESENT, names.MANAGED_BY_LABEL: kopf.ABSENT})
+def inject_engine_pod(
+    body: kopf.Body, spec: kopf.Spec, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
+    meta = body.get("metadata") or {}
+    try:
+        want = inject.wanted(namespace, meta.get("labels") or {}, meta.get("annotations") or {})
+        cache = state_of(memo, kwargs).cache(want.namespace, want.name)
+        injection = inject.decide(namespace, want, cache)
+    except inject.Refused as refused:
+        raise kopf.AdmissionError(str(refused), code=refused.code) from None
+    current = dict(spec)
+    for key, value in inject.mutated_spec(current, injection).items():
+        if current.get(key) != value:
+            patch.spec[key] = value

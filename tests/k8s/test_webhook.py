@@ -1,0 +1,218 @@
+"""One-label engine pods: the operator's mutating webhook on the real control plane.
+
+The operator serves the webhook (kopf's admission server) with a certificate
+of a CA made here; the MutatingWebhookConfiguration is the chart's own
+(objectSelector, failurePolicy Fail), pointed at the operator's loopback port
+by URL, since the API server here reaches this machine's loopback directly
+(tests/k8s/test_real_csi.py runs the chart's Service path on the real node).
+The daemon is the real one, reporting into its kwok pod; kwok runs no
+containers, so the CSI volume the webhook adds is checked as written.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from tests.k8s.conftest import OPERATOR_SA
+from tests.k8s.operator_flow import (
+    REPO_ROOT,
+    Api,
+    OperatorProcess,
+    Scene,
+    apply,
+    eventually,
+    gate_of,
+    install_operator_account,
+    is_ready,
+    operator_policy,
+)
+from tools.testenv import pki
+from tools.testenv.cluster import Cluster
+from tools.testenv.procs import free_ports
+from weightcache_operator import inject, names
+
+pytestmark = pytest.mark.k8s
+
+CHART = REPO_ROOT / "charts" / "weightcache-operator"
+
+
+@pytest.fixture(scope="module")
+def webhook_tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[pki.KeyPair, pki.KeyPair]:
+    out = tmp_path_factory.mktemp("webhook-tls")
+    ca = pki.issue(pki.CertSpec("webhook-test-ca", is_ca=True), out, "ca")
+    serving = pki.issue(pki.CertSpec("127.0.0.1", server=True, ip_addresses=("127.0.0.1",)),
+                        out, "serving", ca=ca)
+    return ca, serving
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, operator_home: str, tmp_path_factory: pytest.TempPathFactory,
+             webhook_tls: tuple[pki.KeyPair, pki.KeyPair]) -> Iterator[OperatorProcess]:
+    """The module's operator, serving the webhook, and the chart's webhook configuration."""
+    ca, serving = webhook_tls
+    (port,) = free_ports(1)
+    kubeconfig = install_operator_account(cluster, operator_home, OPERATOR_SA)
+    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log",
+                         operator_policy(operator_home),
+                         args=[f"--webhook-port={port}", f"--webhook-cert={serving.cert}",
+                               f"--webhook-key={serving.key}"])
+    config = chart_webhook(cluster, operator_home, f"https://127.0.0.1:{port}/inject",
+                           ca.cert.read_bytes())
+    op.start()
+    apply(cluster, config)
+    yield op
+    cluster.kubectl("delete", "mutatingwebhookconfiguration", config["metadata"]["name"],
+                    "--ignore-not-found")
+    op.stop()
+
+
+def chart_webhook(cluster: Cluster, namespace: str, url: str, ca: bytes) -> dict[str, Any]:
+    """The chart's MutatingWebhookConfiguration, reaching the operator at `url`."""
+    rendered = cluster.helm("template", "wc", str(CHART), "-n", namespace,
+                            "--show-only", "templates/webhook.yaml").stdout
+    (config,) = [d for d in yaml.safe_load_all(rendered)
+                 if d and d["kind"] == "MutatingWebhookConfiguration"]
+    config["metadata"]["name"] = f"wc-webhook-test-{namespace}"
+    for hook in config["webhooks"]:
+        hook["clientConfig"] = {"url": url, "caBundle": base64.b64encode(ca).decode()}
+    return config
+
+
+def labelled_pod(namespace: str, name: str, cache: str, node: str,
+                 cache_namespace: str | None = None) -> dict[str, Any]:
+    """Only the label (and the engine's image and command): what a platform user writes."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                            "labels": {names.CACHE_LABEL: cache}}
+    if cache_namespace:
+        meta["annotations"] = {names.CACHE_NAMESPACE_LABEL: cache_namespace}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": node},
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                     "containers": [{"name": "engine", "image": "engine:1"}]}}
+
+
+def create(api: Api, pod: dict[str, Any]) -> k8s.V1Pod:
+    return api.core.create_namespaced_pod(pod["metadata"]["namespace"], pod)
+
+
+def refused(api: Api, pod: dict[str, Any]) -> ApiException:
+    with pytest.raises(ApiException) as err:
+        create(api, pod)
+    return err.value
+
+
+def test_a_labelled_pod_gets_what_it_needs_and_is_gated(scene: Scene, api: Api) -> None:
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    pod = create(api, labelled_pod(ns, "one-label", name, scene.node))
+    assert [g.condition_type for g in pod.spec.readiness_gates] == [names.GATE_CONDITION]
+    (volume,) = [v for v in pod.spec.volumes if v.name == inject.VOLUME]
+    assert volume.csi.driver == "weightcache.dev"
+    assert volume.csi.volume_attributes == {"cache": f"{ns}/{name}"}
+    (container,) = pod.spec.containers
+    assert [(m.name, m.mount_path) for m in container.volume_mounts
+            if m.name == inject.VOLUME] == [(inject.VOLUME, f"/run/wc/{ns}.{name}")]
+    env = {e.name: e.value for e in container.env}
+    assert env == {inject.SOCKET_DIR_ENV: "/run/wc", inject.CACHE_ENV: f"{ns}.{name}",
+                   inject.DAEMON_UIDS_ENV: "65533"}
+    assert pod.spec.security_context.supplemental_groups == [65533]
+    # The operator gates it although the cache's selector does not match it.
+    eventually("the gate waits for the daemon", lambda: gate_of(
+        api.core.read_namespaced_pod("one-label", ns)) == ("False", "DaemonNotReady"))
+    scene.start_daemon()
+    eventually("the gate opens once the daemon reports", lambda: gate_of(
+        api.core.read_namespaced_pod("one-label", ns)) == ("True", "WeightsResident"))
+    assert is_ready(api.core.read_namespaced_pod("one-label", ns))
+
+
+def test_a_pod_naming_a_missing_cache_or_another_namespaces_is_refused(
+    cluster: Cluster, scene: Scene, api: Api
+) -> None:
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    missing = refused(api, labelled_pod(ns, "nope", "no-such-cache", scene.node))
+    assert missing.status == 403
+    assert f"WeightCache {ns}/no-such-cache does not exist" in missing.body
+    other = f"t-{uuid.uuid4().hex[:10]}"
+    cluster.kubectl("create", "namespace", other)
+    try:
+        eventually("the namespace's default ServiceAccount",
+                   lambda: api.core.read_namespaced_service_account("default", other))
+        intruder = labelled_pod(other, "intruder", name, scene.node, cache_namespace=ns)
+        error = refused(api, intruder)
+        assert error.status == 403
+        assert f"namespace {other} may not use WeightCache {ns}/{name}" in error.body
+        # Naming the cache's namespace in its spec lets the pods of that one in.
+        scene.apply_cache(engine={"selector": {"matchLabels": {"app": f"{name}-engine"}},
+                                  "namespaces": [other]})
+
+        def admitted() -> k8s.V1Pod | None:
+            try:
+                return create(api, intruder)
+            except ApiException:
+                return None
+
+        pod = eventually("the listed namespace's pod is admitted", admitted)
+        (volume,) = [v for v in pod.spec.volumes if v.name == inject.VOLUME]
+        assert volume.csi.volume_attributes == {"cache": f"{ns}/{name}"}
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false")
+
+
+def test_with_the_webhook_down_labelled_pods_are_refused_unlabelled_admitted(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    daemon = scene.daemon_pod()
+    operator.stop()
+    try:
+        error = refused(api, labelled_pod(ns, "while-down", name, scene.node))
+        assert error.status == 500 and "failed calling webhook" in error.body, error.body
+        plain = labelled_pod(ns, "plain", name, scene.node)
+        del plain["metadata"]["labels"]
+        assert create(api, plain).spec.readiness_gates is None
+        # The cache's daemon pods carry the label too, and are never sent to the webhook.
+        api.core.delete_namespaced_pod(daemon.metadata.name, daemon.metadata.namespace,
+                                       grace_period_seconds=0)
+        eventually("the DaemonSet recreates its pod", lambda: [
+            p for p in api.daemon_pods(ns, name) if p.metadata.uid != daemon.metadata.uid])
+    finally:
+        operator.start()
+    pod = eventually("admitted again once the webhook answers", lambda: _try_create(
+        api, labelled_pod(ns, "after", name, scene.node)))
+    assert pod.spec.readiness_gates
+
+
+def _try_create(api: Api, pod: dict[str, Any]) -> k8s.V1Pod | None:
+    try:
+        return create(api, pod)
+    except ApiException:
+        return None
+
+
+def test_admitting_a_pod_twice_adds_nothing_twice(scene: Scene, api: Api) -> None:
+    """A pod that already has what the webhook adds (e.g. written from a previous admission)."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    first = create(api, labelled_pod(ns, "first", name, scene.node))
+    again = api.core.api_client.sanitize_for_serialization(first)
+    again["metadata"] = {"name": "again", "namespace": ns,
+                         "labels": again["metadata"]["labels"]}
+    again["spec"].pop("nodeName", None)
+    second = create(api, json.loads(json.dumps(again)))
+    for pod in (first, second):
+        assert len(pod.spec.readiness_gates) == 1
+        assert len([v for v in pod.spec.volumes if v.name == inject.VOLUME]) == 1
+        assert pod.spec.security_context.supplemental_groups == [65533]
+        (container,) = pod.spec.containers
+        assert len([e for e in container.env if e.name == inject.CACHE_ENV]) == 1
