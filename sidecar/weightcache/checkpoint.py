@@ -221,6 +221,5 @@ def cache_config(
         dtype=None if dtype is None else dtype_name(dtype),
         shard=shard or ShardSpec(),
         device_capability=device_capability(device),
-        torch_version=torch.__version__.split("+")[0],
         layout_version=LAYOUT_VERSION,
     )

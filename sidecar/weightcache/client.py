@@ -54,7 +54,11 @@ from weightcache.protocol import (
 )
 from weightcache.sockets import PeerPolicy, peer_credentials
 from weightcache.transport import default_client_transports, get_client_transport_backend
-from weightcache.transport.base import ImportedMemory, WeightCacheTransportBackend
+from weightcache.transport.base import (
+    ImportedMemory,
+    TransportMismatch,
+    WeightCacheTransportBackend,
+)
 from weightcache.wire import recv_frame, send_message
 
 log = logging.getLogger(__name__)
@@ -541,7 +545,10 @@ def _fetch(
         body, _ = recv_frame(sock, max_frame, max_fds=0)
         reply = _checked_reply(decode_reply(body), config, transports, socket_path)
         backend = get_client_transport_backend(reply.transport_backend, read_write=read_write)
-        entries = backend.recv_fetch_state_response(sock, reply, max_frame)
+        try:
+            entries = backend.recv_fetch_state_response(sock, reply, max_frame)
+        except TransportMismatch as exc:
+            raise ConfigMismatch(exc.fields, f"daemon at {socket_path}: {exc}") from None
     return reply, backend, backend.import_tensors(entries), daemon_uid
 
 

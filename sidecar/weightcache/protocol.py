@@ -63,14 +63,16 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything that decides which bytes an engine gets.
 
     Two processes agree on the weights iff their configs are equal field by
-    field; the fingerprint is a stable digest of exactly that.
+    field; the fingerprint is a stable digest of exactly that. Not torch's
+    version: the bytes and their layout do not depend on it, and daemon and
+    engine images come from different teams. The one transport that needs
+    both sides on the same torch (``torch_ipc``) checks it itself.
     """
 
     model: ModelIdentity
     dtype: Annotated[str, msgspec.Meta(max_length=32)] | None
     shard: ShardSpec
     device_capability: Annotated[str, msgspec.Meta(max_length=32)] | None
-    torch_version: Annotated[str, msgspec.Meta(max_length=64)]
     layout_version: PosInt = LAYOUT_VERSION
     # An engine's layout: the hash of the load plan that built it from these weights
     # (weightcache.plan); None: the checkpoint's own layout.

@@ -7,6 +7,7 @@ import json
 import struct
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -195,7 +196,7 @@ def test_cache_config_records_identity_dtype_shard_and_versions(tmp_path: Path) 
     assert config.dtype == "bfloat16"
     assert config.shard == ShardSpec(tp_size=2, tp_rank=1)
     assert config.device_capability is None
-    assert config.torch_version == torch.__version__.split("+")[0]
+    assert "torch_version" not in msgspec.to_builtins(config)  # the engine's torch is free
     assert config.layout_version == LAYOUT_VERSION
     plain = cache_config(checkpoint, torch.device("cpu"))
     assert plain.dtype is None and plain.shard == ShardSpec() and plain.model.revision is None

@@ -243,7 +243,6 @@ CONFIG = CacheConfig(
     dtype=None,
     shard=ShardSpec(),
     device_capability=None,
-    torch_version="2.0.0",
 )
 MISSING = object()
 

@@ -58,7 +58,6 @@ def make_config(**overrides) -> CacheConfig:
         dtype="bfloat16",
         shard=ShardSpec(tp_size=2, tp_rank=1, plan="rowwise"),
         device_capability="sm_90",
-        torch_version="2.5.1",
         layout_version=1,
     )
     fields.update(overrides)
@@ -235,10 +234,10 @@ def test_huge_strings_hit_the_schema_limits() -> None:
     body = request_body(
         op="fetch_state",
         v=1,
-        config=config_map(torch_version="9" * 100_000),
+        config=config_map(dtype="9" * 100_000),
         transports=["memfd"],
     )
-    with pytest.raises(ProtocolError, match=r"\$\.config\.torch_version"):
+    with pytest.raises(ProtocolError, match=r"\$\.config\.dtype"):
         decode_request(body)
 
 
@@ -307,7 +306,6 @@ def test_fingerprint_is_stable_across_construction_encoding_and_processes() -> N
     config = make_config()
     rebuilt = CacheConfig(
         layout_version=1,
-        torch_version="2.5.1",
         device_capability="sm_90",
         shard=ShardSpec(plan="rowwise", tp_rank=1, tp_size=2),
         dtype="bfloat16",
@@ -348,7 +346,6 @@ FIELD_CHANGES = [
     ("shard.tp_rank", lambda c: _shard(c, tp_rank=0)),
     ("shard.plan", lambda c: _shard(c, plan=None)),
     ("device_capability", lambda c: msgspec.structs.replace(c, device_capability="sm_80")),
-    ("torch_version", lambda c: msgspec.structs.replace(c, torch_version="2.6.0")),
     ("layout_version", lambda c: msgspec.structs.replace(c, layout_version=2)),
     ("plan", lambda c: msgspec.structs.replace(c, plan="d" * 64)),
 ]

@@ -32,6 +32,15 @@ class FdBatch(msgspec.Struct, tag_field="op", tag="fds", forbid_unknown_fields=T
 _fd_batch_decoder = msgspec.msgpack.Decoder(FdBatch)
 
 
+class TransportMismatch(RuntimeError):
+    """The daemon's transport cannot serve this engine as it is (``fields`` say why, as
+    a config mismatch would); nothing was mapped."""
+
+    def __init__(self, fields: list[str], message: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 class DaemonMemory(ABC):
     """The daemon's allocations: written by the loader, then served read-only."""
 

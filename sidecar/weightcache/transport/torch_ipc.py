@@ -6,6 +6,13 @@ read-write, and the memory dies with the daemon, so engines treat daemon
 death as fail-stop. On the CPU it is PyTorch's shared-memory fd. The handle
 fields are sent as plain MessagePack values; nothing is pickled.
 
+Both sides must run the same torch release: the handles are torch's own
+(``_share_cuda_`` fields, shared-memory fds it maps itself). The daemon sends
+its torch version with the handles and the engine refuses another one
+(:class:`TorchVersionMismatch`, which the client reports as a config
+mismatch of ``torch_version``); fd transports (vmm_fd, memfd) have no such
+coupling, so the ``CacheConfig`` carries no torch version.
+
 torch_ipc cannot re-adopt (docs/readoption.md): on CUDA the memory belongs
 to the daemon's caching allocator and dies with the daemon, and engines keep
 no fds to hand back, so a restarted daemon always reloads from disk (its
@@ -25,6 +32,7 @@ from weightcache.transport.base import (
     AllocationEntry,
     DaemonMemory,
     Export,
+    TransportMismatch,
     WeightCacheTransportBackend,
 )
 
@@ -44,7 +52,24 @@ class CudaIpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     event_sync_required: bool
 
 
-_handles_decoder = msgspec.msgpack.Decoder(list[CudaIpcHandle | None])
+class TorchIpcHandles(msgspec.Struct, forbid_unknown_fields=True):
+    """The export: the daemon's torch release, and one handle per allocation (None on
+    the CPU, where the allocation travels as an fd)."""
+
+    torch_version: Annotated[str, msgspec.Meta(max_length=64)]
+    allocations: list[CudaIpcHandle | None]
+
+
+_handles_decoder = msgspec.msgpack.Decoder(TorchIpcHandles)
+
+
+def torch_release() -> str:
+    """This process's torch release, without the local build tag (2.14.1+cu130 -> 2.14.1)."""
+    return torch.__version__.split("+")[0]
+
+
+class TorchVersionMismatch(TransportMismatch):
+    """The daemon runs another torch release than this engine; torch_ipc needs the same."""
 
 
 class TorchAllocatorMemory(DaemonMemory):
@@ -89,9 +114,13 @@ class TorchIpcBackend(WeightCacheTransportBackend):
         assert isinstance(memory, TorchAllocatorMemory)
         if memory.device.type == "cuda":
             handles = [self._cuda_handle(b) for b in memory.buffers]
-            return Export(handles=handles, fds=[])
+            return Export(handles=self._export(handles), fds=[])
         fds = [b.untyped_storage()._share_fd_cpu_()[0] for b in memory.buffers]
-        return Export(handles=[None] * len(fds), fds=fds)
+        return Export(handles=self._export([None] * len(fds)), fds=fds)
+
+    @staticmethod
+    def _export(allocations: list[CudaIpcHandle | None]) -> dict:
+        return msgspec.to_builtins(TorchIpcHandles(torch_release(), allocations))
 
     @staticmethod
     def _cuda_handle(buffer: torch.Tensor) -> CudaIpcHandle:
@@ -107,9 +136,19 @@ class TorchIpcBackend(WeightCacheTransportBackend):
             decoded = _handles_decoder.decode(msgspec.msgpack.encode(handles))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ProtocolError(f"bad torch_ipc handles from daemon: {exc}") from None
-        if len(decoded) != count:
-            raise ProtocolError(f"torch_ipc: {len(decoded)} handles for {count} allocations")
-        return decoded
+        if decoded.torch_version != torch_release():
+            raise TorchVersionMismatch(
+                ["torch_version"],
+                f"torch_ipc shares torch's own memory handles, so daemon and engine need the "
+                f"same torch: the daemon runs torch {decoded.torch_version}, this engine "
+                f"{torch_release()}; use vmm_fd (GPU) or memfd (CPU), or the same torch "
+                f"release in both images",
+            )
+        if len(decoded.allocations) != count:
+            raise ProtocolError(
+                f"torch_ipc: {len(decoded.allocations)} handles for {count} allocations"
+            )
+        return decoded.allocations
 
     def import_tensor(self, entry: AllocationEntry) -> torch.Tensor:
         handle = entry.handle

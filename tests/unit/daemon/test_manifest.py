@@ -45,7 +45,7 @@ KEY = bytes(range(32))
 
 def config(header: str = "a" * 64, dtype: str | None = None) -> CacheConfig:
     model = ModelIdentity("/models/m", None, [FileIdentity("model.safetensors", 1000, header)])
-    return CacheConfig(model, dtype, ShardSpec(), None, "2.5.0")
+    return CacheConfig(model, dtype, ShardSpec(), None)
 
 
 LAYOUT = plan_layout([TensorSpec("w", torch.float32, (4, 6)), TensorSpec("b", torch.int64, (3,))])

@@ -120,7 +120,6 @@ MISMATCHES = [
     ("shard.tp_rank", 1),
     ("shard.plan", "rowwise"),
     ("device_capability", "sm_90"),
-    ("torch_version", "1.0.0"),
     ("layout_version", 2),
 ]
 

@@ -14,7 +14,12 @@ from weightcache.layout import build_views
 from weightcache.protocol import ProtocolError
 from weightcache.transport import get_client_transport_backend
 from weightcache.transport.base import AllocationEntry
-from weightcache.transport.torch_ipc import CudaIpcHandle, TorchIpcBackend
+from weightcache.transport.torch_ipc import (
+    CudaIpcHandle,
+    TorchIpcBackend,
+    TorchVersionMismatch,
+    torch_release,
+)
 
 TENSORS = {
     "emb": torch.randn(16, 8, generator=torch.Generator().manual_seed(1)),
@@ -30,8 +35,13 @@ def served():
     s.memory.close()
 
 
-def test_cpu_export_is_fds_with_empty_handles(served) -> None:
-    assert served.export.handles == [None]
+def ours(allocations: list) -> dict:
+    """The export as a daemon on this process's torch sends it."""
+    return {"torch_version": torch_release(), "allocations": allocations}
+
+
+def test_cpu_export_is_fds_with_empty_handles_and_the_daemons_torch(served) -> None:
+    assert served.export.handles == ours([None])
     assert len(served.export.fds) == 1
     assert served.memory.preloaded_weights_bytes == sum(served.layout.allocation_sizes)
 
@@ -57,18 +67,31 @@ def test_round_trip_shares_the_daemons_memory(served) -> None:
 def test_handles_that_do_not_match_the_layout_are_refused() -> None:
     backend = TorchIpcBackend()
     with pytest.raises(ProtocolError, match="2 handles for 1 allocations"):
-        backend.decode_handles([None, None], 1)
+        backend.decode_handles(ours([None, None]), 1)
     with pytest.raises(ProtocolError, match="bad torch_ipc handles"):
-        backend.decode_handles([[0, "not bytes", 1, 0, b"", 0, None, False]], 1)
+        backend.decode_handles(ours([[0, "not bytes", 1, 0, b"", 0, None, False]]), 1)
     with pytest.raises(ProtocolError, match="bad torch_ipc handles"):
         backend.decode_handles({"handle": b"x"}, 1)
     with pytest.raises(ProtocolError, match="bad torch_ipc handles"):
-        backend.decode_handles([[0, b"h" * 5000, 1, 0, b"", 0, None, False]], 1)
+        backend.decode_handles(ours([[0, b"h" * 5000, 1, 0, b"", 0, None, False]]), 1)
+    with pytest.raises(ProtocolError, match="bad torch_ipc handles"):
+        backend.decode_handles([None], 1)  # a daemon from before the torch check
+
+
+def test_a_daemon_on_another_torch_release_is_refused_naming_both() -> None:
+    """torch_ipc hands over torch's own handles: the one transport that needs the same
+    torch on both sides (the CacheConfig carries no torch version)."""
+    other = {"torch_version": "1.99.0", "allocations": [None]}
+    with pytest.raises(TorchVersionMismatch) as caught:
+        TorchIpcBackend().decode_handles(other, 1)
+    assert caught.value.fields == ["torch_version"]
+    assert f"daemon runs torch 1.99.0, this engine {torch_release()}" in str(caught.value)
+    assert "use vmm_fd (GPU) or memfd (CPU)" in str(caught.value)
 
 
 def test_cuda_handles_decode_into_typed_structs_only() -> None:
     fields = [0, b"handle", 512, 0, b"ref", 0, None, True]
-    [handle] = TorchIpcBackend().decode_handles([fields], 1)
+    [handle] = TorchIpcBackend().decode_handles(ours([fields]), 1)
     assert handle == CudaIpcHandle(*fields)
     # Plain MessagePack, no pickle: the struct re-encodes as the same list.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(handle)) == fields
