@@ -46,7 +46,7 @@ manifests: venv
 # Engine adapters against vLLM and SGLang releases, each in its own venv
 # (built once, cached in ~/.cache/weightcache/engines; see tools/engine_venvs).
 test-engines: venv
-	$(PY) -m tools.engine_venvs test vllm sglang
+	$(PY) -m tools.engine_venvs test
 
 # Unit tests, then GPU tests (skipped without a CUDA device), then the real control plane.
 test: lint testenv test-engines

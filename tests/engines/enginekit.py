@@ -10,7 +10,15 @@ absent engine is a broken venv, and fails.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +36,87 @@ def require_engine(engine: str) -> None:
 
 
 GiB = 1 << 30
+
+
+class EngineServer:
+    """A real engine server process (its own process group), its log, its HTTP API."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
+        self.argv, self.port, self.log_path = argv, port, log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, within_s: float) -> EngineServer:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"{self.argv[:4]} exited with {self.proc.returncode}:\n{self.log()[-6000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return self
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise AssertionError(f"not healthy within {within_s:g} s:\n{self.log()[-6000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, object]:
+        request = urllib.request.Request(
+            f"{self.url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            text = exc.read()
+            try:
+                return exc.code, json.loads(text)
+            except ValueError:
+                return exc.code, text.decode(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group (the engine's workers too), then SIGKILL."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def fetches(daemon) -> int:
+    """The daemon's own count of fetch_state requests answered (its /metrics)."""
+    _, _, body = daemon.http("/metrics")
+    match = re.search(rb'^weightcache_requests_total\{op="fetch_state"\} ([0-9.e+]+)$', body, re.M)
+    return int(float(match.group(1))) if match else 0
+
+
+def narrowed_support(tmp_path: Path, engine: str) -> dict[str, str]:
+    """Environment under which every process of the engine treats the installed release
+    as unsupported (a sitecustomize narrowing the tested range; no production knob)."""
+    site = tmp_path / "unsupported-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import weightcache.integrations.versions as versions\n"
+        f"versions.SUPPORTED[{engine!r}] = ('0.0.1',)\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}

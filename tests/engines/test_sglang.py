@@ -75,6 +75,32 @@ def test_sglangs_loader_lookup_returns_ours(minilm_dir) -> None:
     assert type(get_model_loader(LoadConfig())).__name__ == "DefaultModelLoader"
 
 
+def test_an_unsupported_sglang_keeps_its_own_loaders_and_refuses_ours(monkeypatch, caplog):
+    """As if the installed SGLang were outside the tested range: register() (run by
+    SGLang's load_plugins for every installed plugin) raises nothing and warns once;
+    without our config key SGLang's own loader is chosen; with it, a loader that refuses
+    naming the supported releases."""
+    import logging
+
+    from weightcache.integrations import versions
+    from weightcache.integrations.versions import UnsupportedEngineVersion
+
+    monkeypatch.setitem(versions.SUPPORTED, "sglang", ("0.5.20", "0.5.21"))
+    monkeypatch.setattr(adapter, "_registered", False)
+    monkeypatch.setattr(adapter, "_unsupported", None)
+    with caplog.at_level(logging.WARNING):
+        adapter.register()
+        adapter.register()
+    warnings = {r.getMessage() for r in caplog.records if r.name.startswith("weightcache")}
+    assert len(warnings) == 1  # once, however often SGLang calls register()
+    assert "0.5.20.x and 0.5.21.x" in warnings.pop()
+    load_plugins()
+    assert type(get_model_loader(LoadConfig())).__name__ == "DefaultModelLoader"
+    extra = json.dumps({"weightcache": {"socket": "/tmp/d.sock"}})
+    with pytest.raises(UnsupportedEngineVersion, match=r"SGLang 0\.5\.20\.x and 0\.5\.21"):
+        get_model_loader(LoadConfig(model_loader_extra_config=extra))
+
+
 def test_sglangs_own_weight_cache_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="--weight-cache-mode client selects SGLang's own"):
         get_model_loader(
@@ -97,7 +123,7 @@ def test_preloaded_weights_bytes_are_the_running_daemons(memfd_daemon, model_con
 
 
 def test_preloaded_weights_bytes_are_zero_when_falling_back(model_config) -> None:
-    loader = loader_for({"socket": "/tmp/wc-no-daemon-here/cpu.sock", "fallback": True})
+    loader = loader_for({"socket": "/tmp/wc-no-daemon-here/cpu.sock", "wait_ready_s": 0})
     assert loader.attachment(model_config, CPU).attached is None
     assert runner_with(loader).preloaded_weights_bytes == 0
 
@@ -112,7 +138,7 @@ def test_account_preloaded_weights_gives_the_cold_start_baseline(memfd_daemon, m
     runner.account_preloaded_weights(weights)
     assert runner.pre_model_load_memory == cold_free / GiB
 
-    fallback = runner_with(loader_for({"socket": "/tmp/wc-absent.sock", "fallback": True}))
+    fallback = runner_with(loader_for({"socket": "/tmp/wc-absent.sock", "wait_ready_s": 0}))
     fallback.loader.attachment(model_config, CPU)
     fallback.pre_model_load_memory = cold_free / GiB
     fallback.account_preloaded_weights(fallback.preloaded_weights_bytes)
@@ -121,10 +147,12 @@ def test_account_preloaded_weights_gives_the_cold_start_baseline(memfd_daemon, m
 
 def test_a_mismatched_daemon_is_refused_naming_the_field(float16_daemon, model_config) -> None:
     with pytest.raises(ConfigMismatch) as caught:
-        loader_for({"socket": float16_daemon.socket}).attachment(model_config, CPU)
+        loader_for({"socket": float16_daemon.socket, "fallback": False}).attachment(
+            model_config, CPU
+        )
     assert caught.value.fields == ["dtype"]
     assert "dtype (engine expects 'float32')" in str(caught.value)
-    allowed = loader_for({"socket": float16_daemon.socket, "fallback": True})
+    allowed = loader_for({"socket": float16_daemon.socket})  # fallback: the default
     assert allowed.attachment(model_config, CPU).attached is None
     assert allowed.preloaded_weights_bytes == 0
 
@@ -159,3 +187,54 @@ def test_the_launcher_refuses_sglangs_weight_cache_mode(minilm_dir) -> None:
     )
     with pytest.raises(SystemExit, match="--weight-cache-mode client"):
         configure(server_args, {"socket": "/tmp/d.sock"}, {})
+
+
+RANK_SCRIPT = r"""
+import json, sys
+import torch.distributed as dist
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+free_gib, preloaded = float(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.plugins import load_plugins
+
+from weightcache.integrations.sglang import kv
+from weightcache.integrations.sglang.loader import WeightcacheModelLoader
+
+load_plugins()  # what every SGLang process does: registers and applies our hooks
+# SGLang's own pre-load sample, MIN'd over the ranks, as measure_pre_model_load_memory
+# returns it; our hook keeps this rank's own sample beside it.
+import torch
+mins = torch.tensor([free_gib]); dist.all_reduce(mins, op=dist.ReduceOp.MIN)
+kv.record_sample(kv.LocalSample(free_gib, dist.group.WORLD))
+runner = object.__new__(ModelRunner)  # its accounting method is SGLang's (hooked)
+runner.loader = object.__new__(WeightcacheModelLoader)
+runner.pre_model_load_memory = float(mins.item())
+runner.account_preloaded_weights(preloaded)  # what SGLang's scheduler calls
+print(json.dumps(runner.pre_model_load_memory))
+"""
+
+
+def test_preloaded_bytes_go_in_rank_local_before_the_min() -> None:
+    """Two real ranks (gloo) holding different bytes: each must size its KV pool from
+    MIN(own sample + own bytes). SGLang's own order (bytes added after the MIN) gives
+    rank 0 12 GiB and rank 1 10.5 GiB, so this fails without the adapter's hook."""
+    import subprocess
+    import sys
+
+    from tests.unit.wc_harness import free_port
+
+    port = str(free_port())
+    ranks = [(10.0, 2 * GiB), (11.0, GiB // 2)]  # rank 0 holds a draft, rank 1 does not
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), port, str(free), str(held)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank, (free, held) in enumerate(ranks)
+    ]
+    baselines = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert baselines == [11.5, 11.5]  # min(10 + 2, 11 + 0.5) on both ranks

@@ -11,6 +11,7 @@ runs the shared attach-and-load path on a GPU.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,62 @@ def test_vllms_loader_lookup_returns_ours_for_the_format_name(loader_class) -> N
     assert type(loader_for({"socket": "/tmp/d.sock"})) is loader_class
 
 
+def test_an_unsupported_vllm_loads_with_its_own_formats_and_refuses_ours(
+    loader_class, monkeypatch, caplog
+) -> None:
+    """As if the installed vLLM were outside the tested range: register() (run by vLLM for
+    every installed plugin) raises nothing and warns once; `auto` loads with vLLM's own
+    loader; only `weightcache` is refused, naming the supported releases."""
+    import logging
+
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from weightcache.integrations import versions
+    from weightcache.integrations.versions import UnsupportedEngineVersion
+
+    monkeypatch.setitem(versions.SUPPORTED, "vllm", ("0.30", "0.31"))
+    monkeypatch.setattr(adapter, "_registered", False)
+    try:
+        with caplog.at_level(logging.WARNING):
+            adapter.register()
+            adapter.register()
+        warnings = {(r.levelname, r.getMessage()) for r in caplog.records
+                    if r.name.startswith("weightcache")}  # fmt: skip
+        assert len(warnings) == 1  # once, however often vLLM calls register()
+        ((level, message),) = warnings
+        assert level == "WARNING" and "0.30.x and 0.31.x" in message
+        own = get_model_loader(LoadConfig(load_format="auto"))
+        assert type(own).__name__ == "DefaultModelLoader"
+        with pytest.raises(UnsupportedEngineVersion, match=r"vLLM 0\.30\.x and 0\.31\.x"):
+            loader_for({"socket": "/tmp/d.sock"})
+    finally:
+        register_model_loader(adapter.LOAD_FORMAT)(loader_class)  # as the session had it
+
+
+def test_the_adapters_log_lines_go_through_vllms_own_handlers(loader_class) -> None:
+    """vLLM configures only its `vllm` logger tree (once its arguments are parsed, after
+    the plugins load); the adapter's INFO line (mapped/copied bytes) must reach the
+    handlers vLLM then installs, at vLLM's default level."""
+    import logging
+
+    seen: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    vllm_logger = logging.getLogger("vllm")
+    handler = Capture(level=logging.INFO)  # what vLLM's dictConfig gives the tree
+    vllm_logger.addHandler(handler)
+    try:
+        logging.getLogger("weightcache.integrations.vllm.loader").info("mapped %d", 7)
+    finally:
+        vllm_logger.removeHandler(handler)
+    assert [(r.name, r.getMessage()) for r in seen] == [
+        ("weightcache.integrations.vllm.loader", "mapped 7")
+    ]
+
+
 def test_bad_loader_config_is_refused_by_name(loader_class) -> None:
     with pytest.raises(ValueError, match=r"unknown weightcache loader config key\(s\) \['sock'\]"):
         loader_for({"sock": "/tmp/d.sock"})
@@ -99,10 +156,11 @@ def test_external_weight_memory_is_the_running_daemons_bytes(memfd_daemon, vllm_
 
 def test_external_weight_memory_is_zero_when_falling_back(vllm_config) -> None:
     absent = "/tmp/wc-no-daemon-here/cpu.sock"
-    loader = loader_for({"socket": absent, "fallback": True})
+    loader = loader_for({"socket": absent, "wait_ready_s": 0})  # fallback: the default
     assert loader.get_external_weight_memory(vllm_config) == 0
+    strict = loader_for({"socket": absent, "wait_ready_s": 0, "fallback": False})
     with pytest.raises(DaemonUnavailable, match="no usable weightcache daemon"):
-        loader_for({"socket": absent, "wait_ready_s": 0}).get_external_weight_memory(vllm_config)
+        strict.get_external_weight_memory(vllm_config)
 
 
 def test_request_memory_gives_the_cold_start_budget(memfd_daemon, vllm_config) -> None:
@@ -121,7 +179,7 @@ def test_request_memory_gives_the_cold_start_budget(memfd_daemon, vllm_config) -
     warm = request_memory(snapshot(free_cold - weights), cache, weights)  # weights resident
     assert warm == cold - weights
     # Disk fallback: 0 external bytes, the engine's budget is a cold start's.
-    fallback = loader_for({"socket": "/tmp/wc-absent.sock", "fallback": True})
+    fallback = loader_for({"socket": "/tmp/wc-absent.sock", "wait_ready_s": 0})
     assert (
         request_memory(snapshot(free_cold), cache, fallback.get_external_weight_memory(vllm_config))
         == cold
@@ -130,10 +188,12 @@ def test_request_memory_gives_the_cold_start_budget(memfd_daemon, vllm_config) -
 
 def test_a_mismatched_daemon_is_refused_naming_the_field(float16_daemon, vllm_config) -> None:
     with pytest.raises(ConfigMismatch) as caught:
-        loader_for({"socket": float16_daemon.socket}).get_external_weight_memory(vllm_config)
+        loader_for({"socket": float16_daemon.socket, "fallback": False}).get_external_weight_memory(
+            vllm_config
+        )
     assert caught.value.fields == ["dtype"]
     assert "dtype (engine expects 'float32')" in str(caught.value)
-    allowed = loader_for({"socket": float16_daemon.socket, "fallback": True})
+    allowed = loader_for({"socket": float16_daemon.socket})  # fallback: the default
     assert allowed.get_external_weight_memory(vllm_config) == 0
 
 
@@ -219,6 +279,52 @@ def test_load_model_equals_vllms_own_disk_load_sharing_the_daemons_memory(
              for w in ("bias", "weight")]  # fmt: skip
     padded = ["model.embeddings.token_type_embeddings.weight",
               "model.embeddings.word_embeddings.weight"]  # fmt: skip
-    assert copied == sorted(fused + padded)
-    assert "model.encoder.layer.0.attention.output.dense.weight" in shared  # renamed: model.*
-    assert len(shared) == len(ours) - len(copied) == 63
+    # vLLM's CPU build then repacks the dense linear weights for its CPU GEMMs (the CUDA
+    # build leaves them): the loader reports those, they are no longer the daemon's memory.
+    assert all(n.endswith("dense.weight") for n in loader.replaced)
+    assert copied == sorted(fused + padded + loader.replaced)
+    # The checkpoint tensors vLLM's own loaders consumed: query/key/value of 6 layers
+    # (weight and bias) into qkv_proj, and the two padded embeddings.
+    filled = [n for n in loader.report.copied
+              if re.search(r"attention\.self\.(query|key|value)\.|_embeddings", n)]  # fmt: skip
+    assert len(filled) == 6 * 3 * 2 + 2
+    assert set(shared) | set(loader.replaced) <= set(loader.report.mapped)
+    assert loader.report.mapped_bytes > 0
+    renamed = "model.encoder.layer.0.attention.output.dense.weight"  # checkpoint: encoder.*
+    assert renamed in (loader.replaced if loader.replaced else shared)
+    assert len(shared) == len(ours) - len(copied) == 63 - len(loader.replaced)
+
+    # vLLM's in-place reloads (`reload_weights` over collective_rpc: from disk, from tensors,
+    # layerwise) enter through its model runner, which re-lays the parameters on meta
+    # before loading: refused there, nothing touched; weight-transfer updates go through
+    # the model's load_weights: refused too.
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from weightcache.integrations.vllm.loader import WEIGHT_UPDATES_REFUSED
+
+    runner = object.__new__(GPUModelRunner)  # vLLM's own method, on our model
+    runner.model = model
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    zeros = [(n, torch.zeros_like(p)) for n, p in cold.named_parameters()]
+    with pytest.raises(RuntimeError) as from_disk:
+        runner.reload_weights()
+    with pytest.raises(RuntimeError) as from_tensors:
+        runner.reload_weights(weights_iterator=iter(zeros))
+    with pytest.raises(RuntimeError) as transfer:
+        model.load_weights(iter(zeros))
+    for refused in (from_disk, from_tensors, transfer):
+        assert str(refused.value) == WEIGHT_UPDATES_REFUSED
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert [n for n, p in model.named_parameters() if not torch.equal(p, theirs[n])] == []
+
+
+def test_sleep_mode_is_refused_at_load(memfd_daemon, vllm_config) -> None:
+    """Sleep level 2 discards the weights and reloads them in place on wake-up (the CUDA
+    worker would lose the copied tensors; vLLM refuses sleep mode on CPU by itself, so
+    the config is the CPU one with the flag set): refused when the model loads."""
+    import copy
+
+    sleepy = copy.copy(vllm_config.model_config)
+    sleepy.enable_sleep_mode = True
+    with pytest.raises(ValueError, match="does not support sleep mode"):
+        loader_for({"socket": memfd_daemon.socket}).attachment(vllm_config, sleepy)

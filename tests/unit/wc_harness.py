@@ -253,12 +253,15 @@ class DaemonProcess:
                 user=self.user,
                 group=self.group,
                 extra_groups=[] if self.group is not None else None,
-                env=package_env(),
+                env=self.environment(),
                 preexec_fn=None if self.nproc_limit is None else self._limit_tasks,
             )
         if wait:
             self.wait_ready()
         return self
+
+    def environment(self) -> dict[str, str]:
+        return package_env()
 
     def _limit_tasks(self) -> None:
         import resource

@@ -50,9 +50,12 @@ class EngineVenv:
 VENVS: dict[str, EngineVenv] = {
     venv.name: venv
     for venv in (
-        EngineVenv("vllm", "vllm", ("test_vllm.py",)),
-        EngineVenv("vllm_prev", "vllm", ("test_vllm.py",)),
-        EngineVenv("sglang", "sglang", ("test_sglang.py",)),
+        EngineVenv("vllm", "vllm", ("test_vllm.py", "test_mixed_torch.py")),
+        # vLLM's CPU build: the only one whose worker starts on CPU, so the server test.
+        EngineVenv("vllm_prev", "vllm", ("test_vllm.py", "test_vllm_server.py")),
+        EngineVenv(
+            "sglang", "sglang", ("test_sglang.py", "test_mixed_torch.py", "test_sglang_server.py")
+        ),
         EngineVenv("sglang_prev", "sglang", ("test_sglang.py",)),
     )
 }

@@ -24,6 +24,8 @@ def run_tests(name: str) -> int:
     env = {
         **os.environ,
         "WEIGHTCACHE_ENGINE_TESTS": venv.engine,
+        # The tests' daemons run under this (the project's) venv and its torch.
+        "WEIGHTCACHE_DAEMON_PYTHON": sys.executable,
         "PYTHONPATH": os.pathsep.join(map(str, paths)),
     }
     modules = [f"tests/engines/{module}" for module in venv.tests]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,14 @@ import torch
 from torch import nn
 
 from weightcache.checkpoint import cache_config, read_checkpoint
-from weightcache.client import AttachedWeights, ConfigMismatch, DaemonError, attach, load_into
+from weightcache.client import (
+    AttachedWeights,
+    ConfigMismatch,
+    DaemonError,
+    DaemonNotReady,
+    attach,
+    load_into,
+)
 from weightcache.integrations.settings import AdapterSettings
 from weightcache.protocol import CacheConfig, ShardSpec, fingerprint
 
@@ -123,10 +131,6 @@ def forget_attachments() -> None:
 
 
 def _decide(settings: AdapterSettings, socket: str, candidates: list[CacheConfig]) -> Attachment:
-    # With the fallback allowed, an absent socket means "no daemon here": load
-    # from disk at once rather than wait for one that may never come.
-    if settings.fallback and not os.path.exists(socket):
-        return _fallback(socket, f"no daemon socket at {socket}")
     try:
         return Attachment(socket, _attach_first_match(settings, socket, candidates))
     except ConfigMismatch as exc:
@@ -134,11 +138,9 @@ def _decide(settings: AdapterSettings, socket: str, candidates: list[CacheConfig
             raise
         return _fallback(socket, str(exc))
     except (DaemonError, OSError) as exc:
-        reason = (
-            f"no usable weightcache daemon at {socket} within {settings.wait_ready_s:g} s: {exc}"
-        )
+        reason = f"no usable weightcache daemon at {socket}: {exc}"
         if not settings.fallback:
-            raise DaemonUnavailable(reason + " (set fallback to load from disk instead)") from exc
+            raise DaemonUnavailable(reason + " (fallback is off)") from exc
         return _fallback(socket, reason)
 
 
@@ -151,16 +153,36 @@ def _attach_first_match(
     settings: AdapterSettings, socket: str, candidates: list[CacheConfig]
 ) -> AttachedWeights:
     transports = list(settings.transports) if settings.transports else None
-    wait = settings.wait_ready_s
     for i, config in enumerate(candidates):
         try:
-            return attach(socket, config, transports, wait_ready=wait)
+            return _attach_waiting(settings, socket, config, transports)
         except ConfigMismatch as exc:
             if "dtype" in exc.fields and i + 1 < len(candidates):
-                wait = 0.0  # the daemon is up: it answered; try the cast config
-                continue
+                continue  # the daemon is up: it answered; try the cast config
             raise ConfigMismatch(exc.fields, _mismatch_message(exc, config)) from None
     raise AssertionError("expected_configs() returned no config")
+
+
+def _attach_waiting(
+    settings: AdapterSettings, socket: str, config: CacheConfig, transports: list[str] | None
+) -> AttachedWeights:
+    """Attach, waiting ``absent_wait_s`` for a socket nobody answers on and ``wait_ready_s``
+    for a daemon that answers but is still loading."""
+    started = time.monotonic()
+    absent_wait = min(settings.absent_wait_s, settings.wait_ready_s)
+    while True:
+        try:
+            return attach(socket, config, transports)
+        except DaemonNotReady as exc:
+            waited, limit = time.monotonic() - started, settings.wait_ready_s
+            if waited >= limit:
+                raise DaemonNotReady(f"{exc} (still not ready after {limit:g} s)") from None
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            waited, limit = time.monotonic() - started, absent_wait
+            if waited >= limit:
+                raise type(exc)(exc.errno, f"{exc.strerror} (waited {limit:g} s)",
+                                exc.filename) from None  # fmt: skip
+        time.sleep(0.2)
 
 
 def _mismatch_message(exc: ConfigMismatch, expected: CacheConfig) -> str:

@@ -28,6 +28,9 @@ ENV_VARS: dict[str, str] = {
     "shard_plan": "WEIGHTCACHE_SHARD_PLAN",
 }
 DEFAULT_WAIT_READY_S = 300.0
+# How long to wait for a socket nobody answers on (absent, or refused): a restarting
+# daemon binds again within seconds; an absent one should not hold the engine up.
+ABSENT_WAIT_S = 10.0
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -45,9 +48,12 @@ class AdapterSettings:
     ``<socket_dir>/<cache>/gpu-<its GPU UUID>.sock`` as the daemon names it.
     ``transports``: what this engine accepts, preferred first (None: the
     client's default for the machine). ``wait_ready_s``: how long to wait for a
-    daemon that is not up or still loading. ``fallback``: load from disk
-    (the engine's own loader) when the daemon is absent, never became ready
-    or holds other weights; off by default, so a misconfiguration fails loudly.
+    daemon that answers but is still loading; a socket nobody answers on is
+    waited for ``absent_wait_s`` at most (not configurable: a restarting daemon
+    binds again within seconds). ``fallback``: load from disk (the engine's own
+    loader, as vLLM's own weight cache does) when no daemon answers, it never
+    became ready or holds other weights, logging why at WARNING; on by
+    default, off for setups that must never load from disk.
     ``shard_plan``: the daemon's ``--shard-plan`` when tensor-parallel.
     """
 
@@ -56,8 +62,9 @@ class AdapterSettings:
     cache: str | None = None
     transports: tuple[str, ...] | None = None
     wait_ready_s: float = DEFAULT_WAIT_READY_S
-    fallback: bool = False
+    fallback: bool = True
     shard_plan: str | None = None
+    absent_wait_s: float = ABSENT_WAIT_S
 
     @classmethod
     def from_sources(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -89,34 +92,44 @@ def test_a_mismatched_daemon_is_refused_naming_the_field(daemons, minilm_dir) ->
     daemon = daemons(minilm_dir, "--transport", "memfd", "--dtype", "float16")
     candidates = expected_configs(target(minilm_dir))  # the engine loads float32
     with pytest.raises(ConfigMismatch) as caught:
-        attachment(settings(daemon.socket), daemon.socket, candidates)
+        attachment(settings(daemon.socket, fallback=False), daemon.socket, candidates)
     assert caught.value.fields == ["dtype"]
     assert "dtype (engine expects 'float32')" in str(caught.value)
 
     loading.forget_attachments()
-    allowed = attachment(settings(daemon.socket, fallback=True), daemon.socket, candidates)
+    allowed = attachment(settings(daemon.socket), daemon.socket, candidates)  # fallback: default
     assert allowed.attached is None and allowed.preloaded_weights_bytes == 0
     assert "differing fields: dtype" in allowed.fallback_reason
 
 
-def test_no_daemon_falls_back_only_when_allowed(minilm_dir) -> None:
+def test_no_daemon_falls_back_after_the_short_wait_and_says_why(minilm_dir, caplog) -> None:
     socket = "/tmp/wc-absent/cpu.sock"
     assert not os.path.exists(socket)
     candidates = expected_configs(target(minilm_dir))
-    decided = attachment(settings(socket, fallback=True), socket, candidates)
+    quick = dataclasses.replace(settings(socket), absent_wait_s=0.5)  # 300 s for a loading one
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="weightcache"):
+        decided = attachment(quick, socket, candidates)
+    assert 0.5 <= time.monotonic() - started < 30
     assert decided.attached is None and decided.preloaded_weights_bytes == 0
-    assert decided.fallback_reason == f"no daemon socket at {socket}"
+    assert socket in decided.fallback_reason and "waited 0.5 s" in decided.fallback_reason
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "loading from disk instead of the daemon" in caplog.records[0].getMessage()
 
     loading.forget_attachments()
-    with pytest.raises(DaemonUnavailable, match="within 0 s.*set fallback"):
-        attachment(settings(socket, wait_ready_s=0), socket, candidates)
+    with pytest.raises(DaemonUnavailable, match="waited 0 s.*fallback is off"):
+        attachment(settings(socket, wait_ready_s=0, fallback=False), socket, candidates)
 
 
 def test_the_engine_waits_for_a_daemon_that_starts_late(daemons, minilm_dir) -> None:
     workdir = daemons.workdir()
     late = daemons(minilm_dir, "--transport", "memfd", wait=False, workdir=workdir)
+    # The daemon's interpreter may take longer than the 10 s absent-socket wait to bind.
+    patient = dataclasses.replace(
+        settings(late.socket, wait_ready_s=120, fallback=False), absent_wait_s=120
+    )
     decided = attachment(
-        settings(late.socket, wait_ready_s=120),
+        patient,
         late.socket,
         expected_configs(target(minilm_dir)),
     )
@@ -212,9 +225,13 @@ def test_tensors_the_engine_lays_out_differently_go_through_its_own_loader(
     expected = torch.cat([tensors[f"{prefix}{p}.weight"] for p in ("query", "key", "value")])
     assert torch.equal(fused.qkv, expected)
     # Everything not mapped goes to the engine's loader, which knows what it skips.
-    assert sorted(fed) == report.copied == sorted(
-        [f"{prefix}{p}.{w}" for p in ("query", "key", "value") for w in ("weight", "bias")]
-        + ["embeddings.position_ids", "pooler.dense.bias", "pooler.dense.weight"]
+    assert (
+        sorted(fed)
+        == report.copied
+        == sorted(
+            [f"{prefix}{p}.{w}" for p in ("query", "key", "value") for w in ("weight", "bias")]
+            + ["embeddings.position_ids", "pooler.dense.bias", "pooler.dense.weight"]
+        )
     )
     assert report.copied_bytes == sum(tensors[n].nbytes for n in report.copied)
     word = model.embeddings.word_embeddings.weight
@@ -268,7 +285,7 @@ def test_a_daemon_serving_another_model_path_is_refused_naming_it(
     copy = tmp_path / "minilm-copy"
     shutil.copytree(minilm_dir, copy)  # same bytes, another identity: the path is part of it
     with pytest.raises(ConfigMismatch) as caught:
-        attachment(settings(memfd_daemon.socket), memfd_daemon.socket,
+        attachment(settings(memfd_daemon.socket, fallback=False), memfd_daemon.socket,
                    expected_configs(target(copy)))  # fmt: skip
     assert caught.value.fields == ["model.path"]
     assert f"model.path (engine expects '{copy.resolve()}')" in str(caught.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weightcache.integrations.settings import (
+    ABSENT_WAIT_S,
     DEFAULT_WAIT_READY_S,
     AdapterSettings,
     SettingsError,
@@ -31,11 +32,15 @@ def test_engine_config_wins_over_environment_and_values_are_parsed() -> None:
     assert settings.fallback is False
 
 
-def test_defaults_fail_loud_and_wait_for_the_daemon() -> None:
+def test_defaults_fall_back_to_disk_and_wait_long_only_for_a_loading_daemon() -> None:
     settings = AdapterSettings.from_sources({"socket": "/tmp/d.sock"}, {})
-    assert settings.fallback is False
-    assert settings.wait_ready_s == DEFAULT_WAIT_READY_S
+    assert settings.fallback is True  # as vLLM's own weight cache
+    assert settings.wait_ready_s == DEFAULT_WAIT_READY_S == 300
+    assert settings.absent_wait_s == ABSENT_WAIT_S == 10
     assert settings.transports is None
+    assert (
+        AdapterSettings.from_sources({"socket": "/d.sock", "fallback": "off"}, {}).fallback is False
+    )
 
 
 def test_each_rank_derives_the_socket_the_daemon_names_by_gpu_uuid() -> None:

@@ -68,9 +68,11 @@ def configure(server_args: Any, settings: dict[str, Any], env: dict[str, str]) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    from weightcache.integrations.versions import require_supported
+    from weightcache.integrations.versions import detect
 
-    require_supported("sglang")
+    support = detect("sglang")
+    if not support.ok:
+        raise SystemExit(f"weightcache-sglang: {support.problem}")
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args

@@ -44,6 +44,16 @@ from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
 
+# SGLang refuses online weight updates (update_weights_from_disk/_tensor/_distributed/_ipc)
+# for a model any of whose modules carries this attribute, answering with its text and
+# serving on. Set on every rank (disk fallback included), so the refusal is rank-uniform.
+WEIGHT_UPDATES_REFUSED = (
+    "weightcache: this engine's weights are mapped read-only from the weightcache daemon, "
+    "which shares them with every engine attached to it; updating them in place is refused. "
+    "Serve the new weights from a WeightCache of their own (or restart without the "
+    "weightcache loader)"
+)
+
 
 class WeightcacheModelLoader(BaseModelLoader):
     """Weights mapped from this rank's weightcache daemon (SGLang ``load_format`` class)."""
@@ -71,9 +81,11 @@ class WeightcacheModelLoader(BaseModelLoader):
     def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         decided = self.attachment(model_config, device_config)
         if decided.attached is None:
-            return self._disk_loader().load_model(
+            model = self._disk_loader().load_model(
                 model_config=model_config, device_config=device_config
             )
+            model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
+            return model
         device = _device(device_config)
         with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
             model = _initialize_model(model_config, self.load_config, None)
@@ -110,6 +122,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             len(report.copied),
             report.copied_bytes,
         )
+        model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
         return model.eval()
 
     def attachment(self, model_config: ModelConfig, device_config: DeviceConfig) -> Attachment:

@@ -37,6 +37,7 @@ from weightcache.devices import gpu_uuid
 from weightcache.integrations.loading import (
     Attachment,
     EngineTarget,
+    LoadReport,
     attachment,
     expected_configs,
     load_from_daemon,
@@ -48,6 +49,17 @@ from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
 
+# vLLM writes weights in place through its model runner's reload_weights (from disk, from
+# tensors, layerwise: it first re-lays the model's parameters on meta, so the refusal must
+# come before it) and, for weight-transfer updates, the model's load_weights. A model loaded
+# from the daemon refuses both with this text, untouched, and vLLM serves on.
+WEIGHT_UPDATES_REFUSED = (
+    "weightcache: this engine's weights are mapped read-only from the weightcache daemon, "
+    "which shares them with every engine attached to it; updating them in place is refused. "
+    "Serve the new weights from a WeightCache of their own (or restart without "
+    "--load-format weightcache)"
+)
+
 
 class WeightcacheModelLoader(BaseModelLoader):
     """``--load-format weightcache``: weights mapped from this rank's weightcache daemon."""
@@ -57,6 +69,10 @@ class WeightcacheModelLoader(BaseModelLoader):
         self.settings = AdapterSettings.from_sources(
             load_config.model_loader_extra_config, os.environ
         )
+        # What the last load_model did: where each daemon tensor went, and which mapped
+        # tensors vLLM's post-processing then replaced with its own copies.
+        self.report: LoadReport | None = None
+        self.replaced: list[str] = []
 
     # ------------------------------------------------------------------ vLLM's hooks
 
@@ -104,6 +120,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             )
         process_weights_after_loading(model, model_config, device)
         replaced = still_mapped(model, report, tensors, name_map)
+        self.report, self.replaced = report, replaced
         if replaced:
             log.warning(
                 "weightcache: vLLM's post-processing replaced %d daemon-mapped tensor(s) with "
@@ -111,6 +128,9 @@ class WeightcacheModelLoader(BaseModelLoader):
                 len(replaced),
                 ", ".join(replaced[:5]),
             )
+        model.load_weights = _refuse_weight_updates  # instance attribute: this model only
+        model.weightcache_read_only = True
+        _guard_runner_reloads()
         log.info(
             "weightcache: %d tensor(s) (%d bytes) mapped zero-copy over %s from daemon pid %d; "
             "%d tensor(s) (%d bytes) copied into vLLM's own layout (fused parameters)",
@@ -151,9 +171,37 @@ class WeightcacheModelLoader(BaseModelLoader):
         )
 
 
+def _refuse_weight_updates(weights: object = None, *args: object, **kwargs: object) -> None:
+    raise RuntimeError(WEIGHT_UPDATES_REFUSED)
+
+
+def _guard_runner_reloads() -> None:
+    """Make vLLM's model runner refuse ``reload_weights`` for a daemon-loaded model; once."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner's base too
+
+    original = GPUModelRunner.reload_weights
+    if getattr(original, "weightcache_guard", False):
+        return
+
+    def reload_weights(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003 - vLLM's
+        if getattr(self.get_model(), "weightcache_read_only", False):
+            raise RuntimeError(WEIGHT_UPDATES_REFUSED)
+        return original(self, *args, **kwargs)
+
+    reload_weights.weightcache_guard = True
+    GPUModelRunner.reload_weights = reload_weights
+
+
 def _check_supported(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
     """Configurations whose weights the daemon's checkpoint tensors cannot serve."""
     problems = []
+    if model_config.enable_sleep_mode:
+        problems.append(
+            "sleep mode (level 2 discards the weights and wakes up by reloading them in place; "
+            "the mapped ones are the daemon's, the copied ones cannot be reloaded)"
+        )
+    if getattr(vllm_config, "weight_transfer_config", None) is not None:
+        problems.append("weight transfer (it writes every weight in place)")
     if model_config.quantization is not None:
         problems.append(
             f"quantization {model_config.quantization!r} (its post-processing re-lays the "
