@@ -86,6 +86,8 @@ class Holdings:
         keep_checkpoint: bool = False,
         max_layouts: int = DEFAULT_MAX_LAYOUTS,
         on_change: Callable[[], None] = lambda: None,
+        persist: Callable[[ResidentWeights], object] = lambda built: None,
+        forget: Callable[[str | None], None] = lambda plan: None,
     ) -> None:
         self.base_config = base_config
         self.base_fingerprint = fingerprint(base_config)
@@ -97,6 +99,9 @@ class Holdings:
         self._keep_checkpoint = keep_checkpoint
         self._max_layouts = max_layouts
         self._on_change = on_change
+        # Each layout built gets its manifest (re-adoption); a dropped one loses it.
+        self._persist = persist
+        self._forget = forget
         self._lock = threading.Lock()
         self._checkpoint = None
         if checkpoint_layout is not None:
@@ -310,8 +315,9 @@ class Holdings:
                     build.error = str(exc) or type(exc).__name__
                 self._on_change()
                 continue
-            self._settle(key, built)
-            self._on_change()
+            if self._settle(key, built):
+                self._on_change()
+                self._persist(built)  # after serving it: digesting takes a while on a CPU
 
     def _build(self, key: str | None, build: _Build) -> ResidentWeights:
         if key is None:
@@ -341,9 +347,21 @@ class Holdings:
             if held is not None:
                 self._release(held)
 
-    def _settle(self, key: str | None, built: ResidentWeights) -> None:
-        """A build is done: hold it, and drop the checkpoint layout if nobody mapped it."""
-        retired = None
+    def _settle(self, key: str | None, built: ResidentWeights) -> bool:
+        """A build is done: drop the checkpoint layout if nobody mapped it, then serve the
+        build (so an engine told ``ok`` finds the dropped memory already released)."""
+        with self._lock:
+            unused = self._checkpoint is not None and self._checkpoint.fetches == 0
+            retired = None
+            if key is not None and unused and not self._keep_checkpoint and not self._closed:
+                retired, self._checkpoint = self._checkpoint, None
+                retired.retired = True
+                close = retired.leases == 0
+        if retired is not None:
+            log.info("dropped the checkpoint layout: no engine mapped it")
+            self._forget(None)
+            if close:
+                retired.resident.close()
         with self._lock:
             del self._builds[key]
             closed = self._closed
@@ -352,17 +370,10 @@ class Holdings:
             elif key is None:
                 self._checkpoint = _Held(built)
             else:
-                unused = self._checkpoint is not None and self._checkpoint.fetches == 0
-                if unused and not self._keep_checkpoint:
-                    retired, self._checkpoint = self._checkpoint, None
-                    retired.retired = True
                 self._layouts[key] = _Held(built)
         if closed:
             built.close()
-        if retired is not None:
-            log.info("dropped the checkpoint layout: no engine mapped it")
-            if retired.leases == 0:
-                retired.resident.close()
+        return not closed
 
     def close(self) -> None:
         """Release every layout (call only once no reply is being sent)."""

@@ -39,6 +39,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import secrets
 import stat
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ import msgspec
 import torch
 
 from weightcache.daemon.resident import ResidentWeights
-from weightcache.daemon.statedir import StateDirError, opened_private_dir, state_file
+from weightcache.daemon.statedir import StateDirError, opened_private_dir, state_dir, state_file
 from weightcache.layout import check_layout
 from weightcache.protocol import (
     CacheConfig,
@@ -98,9 +99,37 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     digests: list[Digest]
 
 
-def manifest_path(socket_path: str) -> str:
-    """``<socket dir>/.daemon/<socket name>.manifest``: where engines cannot read the key."""
-    return state_file(socket_path, ".manifest")
+LAYOUT_MANIFEST = re.compile(r"\.layout-([0-9a-f]{64})\.manifest$")
+
+
+def manifest_path(socket_path: str, plan: str | None = None) -> str:
+    """``<socket dir>/.daemon/<socket name>.manifest``: where engines cannot read the key;
+    an engine layout's (``plan``: its load plan's hash) ``….layout-<hash>.manifest``."""
+    return state_file(socket_path, ".manifest" if plan is None else f".layout-{plan}.manifest")
+
+
+def layout_plans(socket_path: str) -> list[str]:
+    """The plan hashes of the engine layouts this socket's daemon wrote manifests for."""
+    prefix = os.path.basename(socket_path)
+    try:
+        with opened_private_dir(state_dir(socket_path)) as directory:
+            names = os.listdir(directory)
+    except StateDirError:
+        return []
+    found = (LAYOUT_MANIFEST.match(n[len(prefix) :]) for n in names if n.startswith(prefix))
+    return sorted(m.group(1) for m in found if m)
+
+
+def remove_manifest(socket_path: str, plan: str | None) -> None:
+    """Forget a layout nobody can hand back any more (a failure is only logged)."""
+    path = manifest_path(socket_path, plan)
+    try:
+        with opened_private_dir(os.path.dirname(path)) as directory:
+            os.unlink(os.path.basename(path), dir_fd=directory)
+    except FileNotFoundError:
+        pass
+    except (OSError, StateDirError) as exc:
+        log.warning("cannot remove manifest %s: %s", path, exc)
 
 
 # --------------------------------------------------------------------------- digests
@@ -369,7 +398,8 @@ def stale_reason(
 
 
 def save_manifest(socket_path: str, gpu: str, resident: ResidentWeights) -> str | None:
-    """Digest and write ``resident``'s manifest; the path, or None where none was written.
+    """Digest and write ``resident``'s manifest (its layout's: the checkpoint's, or an
+    engine's by plan hash); the path, or None where none was written.
 
     None for transports that cannot re-adopt (their memory dies with the
     daemon), and on failure, logged: a daemon without a manifest still
@@ -377,7 +407,7 @@ def save_manifest(socket_path: str, gpu: str, resident: ResidentWeights) -> str 
     """
     if not get_daemon_transport_backend(resident.transport).keeps_fds:
         return None
-    path = manifest_path(socket_path)
+    path = manifest_path(socket_path, resident.config.plan)
     try:
         manifest = build_manifest(
             config=resident.config,

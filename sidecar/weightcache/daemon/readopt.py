@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from weightcache.checkpoint import CheckpointError, cache_config, read_checkpoint
@@ -33,14 +34,17 @@ from weightcache.daemon.manifest import (
     Manifest,
     ManifestError,
     allocation_digests,
+    layout_plans,
     manifest_path,
     read_manifest,
+    remove_manifest,
     stale_reason,
 )
 from weightcache.daemon.resident import ResidentWeights
 from weightcache.layout import tensor_specs
 from weightcache.protocol import (
     READOPT_MAX_FRAME,
+    CacheConfig,
     ProtocolError,
     ReadoptRequest,
     ShardSpec,
@@ -98,8 +102,15 @@ class ReadoptBudget:
 
 @dataclass
 class Readoption:
-    resident: ResidentWeights | None
+    """The layouts taken back (the checkpoint's under None, engines' by plan hash), and why."""
+
+    residents: dict[str | None, ResidentWeights]
     reason: str
+
+    @property
+    def resident(self) -> ResidentWeights | None:
+        """The checkpoint layout, if re-adopted."""
+        return self.residents.get(None)
 
 
 class ChecksumMismatch(RuntimeError):
@@ -120,7 +131,8 @@ def try_readopt(
     budget: ReadoptBudget | None = None,
     progress: Callable[[], None] = lambda: None,
 ) -> Readoption:
-    """Re-adopted weights, or None and why the daemon must load from disk.
+    """Every layout an engine hands back verified (the checkpoint's, engines' own), and why
+    the others are not.
 
     ``model_dir`` .. ``revision`` are :func:`load_from_disk`'s arguments.
     ``budget`` bounds each engine's exchange and the asking as a whole;
@@ -133,77 +145,136 @@ def try_readopt(
     backend = get_daemon_transport_backend(transport)
     if not backend.keeps_fds:
         return Readoption(
-            None, f"transport {transport} cannot re-adopt: engines keep no fds to hand back"
+            {}, f"transport {transport} cannot re-adopt: engines keep no fds to hand back"
         )
     try:
         prepare_engines_dir(socket_path)
     except OSError as exc:
-        return Readoption(None, f"cannot prepare the engines' hand-back directory: {exc}")
+        return Readoption({}, f"cannot prepare the engines' hand-back directory: {exc}")
+    manifests, notes = _manifests(socket_path)
+    if not manifests:
+        return Readoption({}, "; ".join(notes))  # before touching the checkpoint at all
     try:
-        manifest = read_manifest(manifest_path(socket_path))
         checkpoint = read_checkpoint(model_dir)
-    except (ManifestError, CheckpointError) as exc:
-        return Readoption(None, str(exc))
-    config = cache_config(checkpoint, device, dtype, shard, revision)
-    stale = stale_reason(manifest, config=config, transport=transport, gpu=gpu)
-    if stale is not None:
-        return Readoption(None, stale)
+    except CheckpointError as exc:
+        return Readoption({}, str(exc))
+    base = cache_config(checkpoint, device, dtype, shard, revision)
+    wanted = _current(socket_path, manifests, base, transport, gpu, notes)
+    if not wanted:
+        return Readoption({}, "; ".join(notes))
 
     try:
         engines = engine_sockets(socket_path)
     except OSError as exc:
-        return Readoption(None, f"cannot list the engines' sockets: {exc}")
+        return Readoption({}, f"cannot list the engines' sockets: {exc}")
+    adopted: dict[str | None, ResidentWeights] = {}
+    reasons: list[str] = []
     failures: list[str] = []
     gone = 0
     for asked, engine in enumerate(engines):
+        if len(adopted) == len(wanted):
+            break
         name = os.path.basename(engine)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            failures.append(
-                f"re-adoption budget of {budget.total_seconds:g} s spent; "
-                f"{len(engines) - asked} engine socket(s) not asked"
+        refusals = []
+        for plan, manifest in wanted.items():
+            if plan in adopted:
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                memory, pid = _adopt_from(
+                    engine, socket_path, manifest, backend, device, policy,
+                    min(budget.exchange_seconds, remaining),
+                )  # fmt: skip
+            except EngineGone:
+                gone += 1
+                with contextlib.suppress(OSError):
+                    os.unlink(engine)
+                refusals = []
+                break
+            except Refused as exc:  # it holds another layout: ask it for the next
+                refusals.append(str(exc))
+                continue
+            except Exception as exc:  # whatever an engine does, the disk remains
+                failures.append(f"{name}: {exc}")
+                log.warning("engine %s did not hand the weights back: %s", name, exc)
+                refusals = []
+                break
+            adopted[plan] = ResidentWeights(
+                config=manifest.config,
+                fingerprint=manifest.fingerprint,
+                layout=manifest.layout,
+                memory=memory,
+                export=Export(handles=None, fds=list(memory.fds)),
+                expected_bytes=sum(spec.nbytes for spec, _, _ in tensor_specs(manifest.layout)),
+                load_seconds=time.perf_counter() - started,
+                load_source="readopted",
+            )
+            which = "" if plan is None else f"layout {plan[:12]}: "
+            reasons.append(
+                f"{which}re-adopted {len(memory.sizes)} allocation(s) from engine pid {pid} "
+                f"({name}), every checksum matching the manifest"
             )
             break
-        try:
-            memory, pid = _adopt_from(
-                engine,
-                socket_path,
-                manifest,
-                backend,
-                device,
-                policy,
-                min(budget.exchange_seconds, remaining),
+        else:
+            failures += [f"{name}: {r}" for r in refusals[:1]]
+        progress()
+        unasked = len(engines) - asked - 1
+        if deadline - time.monotonic() <= 0 and len(adopted) < len(wanted) and unasked:
+            failures.append(
+                f"re-adoption budget of {budget.total_seconds:g} s spent; "
+                f"{unasked} engine socket(s) not asked"
             )
-        except EngineGone:
-            gone += 1
-            with contextlib.suppress(OSError):
-                os.unlink(engine)
-            continue
-        except Exception as exc:  # whatever an engine does, the disk remains
-            failures.append(f"{name}: {exc}")
-            log.warning("engine %s did not hand the weights back: %s", name, exc)
-            continue
-        finally:
-            progress()
-        resident = ResidentWeights(
-            config=manifest.config,
-            fingerprint=manifest.fingerprint,
-            layout=manifest.layout,
-            memory=memory,
-            export=Export(handles=None, fds=list(memory.fds)),
-            expected_bytes=sum(spec.nbytes for spec, _, _ in tensor_specs(manifest.layout)),
-            load_seconds=time.perf_counter() - started,
-            load_source="readopted",
-        )
-        reason = (
-            f"re-adopted {len(memory.sizes)} allocation(s) from engine pid {pid} ({name}), "
-            "every checksum matching the manifest"
-        )
-        return Readoption(resident, "; ".join([reason, *failures]))
+            break
+    for plan in wanted:
+        if plan is not None and plan not in adopted:
+            remove_manifest(socket_path, plan)  # no live engine holds that layout any more
+    if adopted:
+        return Readoption(adopted, "; ".join([*reasons, *failures]))
     if failures:
-        return Readoption(None, "no engine handed back verified weights: " + "; ".join(failures))
+        return Readoption({}, "no engine handed back verified weights: " + "; ".join(failures))
     removed = f" ({gone} dead engine socket(s) removed)" if gone else ""
-    return Readoption(None, f"no live engine to re-adopt from{removed}")
+    return Readoption({}, f"no live engine to re-adopt from{removed}")
+
+
+def _manifests(socket_path: str) -> tuple[dict[str | None, Manifest], list[str]]:
+    """Every readable manifest of this socket: the checkpoint layout's (None) and each
+    engine layout's, and why the checkpoint layout's is not among them."""
+    found: dict[str | None, Manifest] = {}
+    notes: list[str] = []
+    for plan in [None, *layout_plans(socket_path)]:
+        try:
+            found[plan] = read_manifest(manifest_path(socket_path, plan))
+        except ManifestError as exc:
+            if plan is None:
+                notes.append(str(exc))
+    return found, notes
+
+
+def _current(
+    socket_path: str,
+    manifests: dict[str | None, Manifest],
+    base: CacheConfig,
+    transport: str,
+    gpu: str,
+    notes: list[str],
+) -> dict[str | None, Manifest]:
+    """The manifests that still describe what this daemon serves (``base`` is its config
+    from the checkpoint's headers); why the others do not goes to ``notes`` (a stale engine
+    layout's manifest is removed)."""
+    wanted: dict[str | None, Manifest] = {}
+    for plan, manifest in manifests.items():
+        expected = msgspec.structs.replace(base, plan=plan)
+        stale = stale_reason(manifest, config=expected, transport=transport, gpu=gpu)
+        if stale is None:
+            wanted[plan] = manifest
+        elif plan is None:
+            notes.append(stale)
+        else:
+            notes.append(f"layout {plan[:12]}: {stale}")
+            remove_manifest(socket_path, plan)
+    return wanted
 
 
 def _adopt_from(
@@ -305,6 +376,10 @@ class HandedBack:
     fds: list[int]
 
 
+class Refused(RuntimeError):
+    """The engine answered and declined (another layout, another daemon socket, ...)."""
+
+
 class EngineGone(ConnectionRefusedError):
     """Nobody listens on the engine socket (its engine died without removing it), or it is gone."""
 
@@ -350,7 +425,7 @@ def ask_for_handback(
     try:
         reply = decode_readopt_reply(body)
         if reply.status != "ok":
-            raise RuntimeError(f"engine pid {reply.pid} refused: {reply.error}")
+            raise Refused(f"engine pid {reply.pid} refused: {reply.error}")
         if len(fds) != len(reply.allocation_sizes):
             raise ProtocolError(
                 f"engine pid {reply.pid} sent {len(fds)} fds for "

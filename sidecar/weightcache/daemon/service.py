@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from weightcache.checkpoint import read_checkpoint
+from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.daemon import digest_cuda, health
 from weightcache.daemon.http import start_http_server
 from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS, Holdings
 from weightcache.daemon.lock import DeviceLock, lock_path
+from weightcache.daemon.manifest import remove_manifest, save_manifest
 from weightcache.daemon.readopt import ReadoptBudget, try_readopt
 from weightcache.daemon.resident import ResidentWeights, load_from_disk
 from weightcache.daemon.seed import WAIT_SECONDS, Obtained, obtain_weights
@@ -128,22 +129,34 @@ class Daemon:
             except Exception:  # a broken listener must not take the daemon down
                 log.exception("status listener failed")
 
-    def _hold(self, resident: ResidentWeights, disk: tuple) -> Holdings:
-        """The layouts served from now on: the checkpoint layout just obtained, and engine
-        layouts built on demand."""
+    def _hold(
+        self,
+        checkpoint_layout: ResidentWeights | None,
+        layouts: dict[str, ResidentWeights],
+        disk: tuple,
+    ) -> Holdings:
+        """The layouts served from now on: those just obtained, and engine layouts built on
+        demand (each with its manifest, for the next restart)."""
         opts = self.options
+        checkpoint = read_checkpoint(opts.model_dir)
+        base = cache_config(checkpoint, opts.device, opts.dtype, opts.shard, opts.revision)
 
         def reload() -> ResidentWeights:
             return load_from_disk(*disk)
 
         return Holdings(
-            base_config=resident.config,
-            checkpoint=read_checkpoint(opts.model_dir),
+            base_config=base,
+            checkpoint=checkpoint,
             device=opts.device,
-            transport=resident.transport,
-            checkpoint_layout=resident,
-            checkpoint_mapped=resident.load_source == "readopted",
+            transport=opts.transport,
+            checkpoint_layout=checkpoint_layout,
+            layouts=layouts,
+            checkpoint_mapped=bool(
+                checkpoint_layout and checkpoint_layout.load_source == "readopted"
+            ),
             load_checkpoint=reload,
+            persist=lambda built: save_manifest(opts.socket_path, opts.gpu, built),
+            forget=lambda plan: remove_manifest(opts.socket_path, plan),
             keep_checkpoint=opts.keep_checkpoint_layout,
             max_layouts=opts.max_layouts,
             on_change=lambda: self._set_state(self._state, self._error),
@@ -192,8 +205,12 @@ class Daemon:
                 progress=self._progress.mark,
             )
             self._load_reason = readoption.reason
-            self._resident = readoption.resident
-            if self._resident is None:
+            readopted = dict(readoption.residents)
+            checkpoint_layout = readopted.pop(None, None)
+            self._resident = checkpoint_layout or next(iter(readopted.values()), None)
+            # Engine layouts re-adopted: the checkpoint layout is loaded only if kept or
+            # also re-adopted (it is rebuilt from disk if an engine asks for it).
+            if checkpoint_layout is None and (not readopted or opts.keep_checkpoint_layout):
                 obtained = obtain_weights(
                     opts.socket_path,
                     opts.gpu,
@@ -203,10 +220,12 @@ class Daemon:
                     timeout=opts.limits.timeout_seconds,
                     progress=self._progress.mark,
                 )
-                self._resident = obtained.resident
+                checkpoint_layout = obtained.resident
+                self._resident = self._resident or checkpoint_layout
                 self._load_reason = f"{readoption.reason}; {obtained.reason}"
             r = self._resident
-            self._holdings = self._hold(r, disk)
+            assert r is not None
+            self._holdings = self._hold(checkpoint_layout, readopted, disk)
             log.info(
                 "ready: %d bytes resident via %s in %.2f s (%s), fingerprint %s",
                 r.preloaded_weights_bytes,

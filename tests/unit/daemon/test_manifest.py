@@ -305,3 +305,21 @@ def test_digests_under_several_keys_equal_one_key_at_a_time() -> None:
         assert together == [
             [allocation_digests([b], algorithm, k)[0] for k in (KEY, other)] for b in buffers_
         ]
+
+
+def test_engine_layout_manifests_are_found_per_socket_and_removed(tmp_path) -> None:
+    from weightcache.daemon.manifest import layout_plans, remove_manifest
+    from weightcache.daemon.statedir import prepare_state_dir
+
+    sock, other = str(tmp_path / "gpu-A.sock"), str(tmp_path / "gpu-B.sock")
+    prepare_state_dir(sock)
+    a, b = "a" * 64, "b" * 64
+    for path in (manifest_path(sock), manifest_path(sock, a), manifest_path(other, b),
+                 manifest_path(sock, b) + ".tmp-7"):  # fmt: skip
+        open(path, "w").close()
+    assert manifest_path(sock, a).endswith("/.daemon/gpu-A.sock.layout-" + a + ".manifest")
+    assert layout_plans(sock) == [a] and layout_plans(other) == [b]
+    remove_manifest(sock, a)
+    remove_manifest(sock, a)  # already gone: nothing to do
+    assert layout_plans(sock) == []
+    assert os.path.exists(manifest_path(sock))

@@ -405,3 +405,74 @@ def test_readoption_as_a_whole_is_bounded(daemons, engines, model, minilm_refere
             assert torch.equal(attached.tensors[name], tensor), name
     finally:
         attached.close()
+
+
+# An engine of its own layout (tests/unit/toyengine.py, vLLM-shaped): traces its load plan,
+# maps that layout and keeps its fds to hand back.
+LAYOUT_ENGINE = textwrap.dedent(
+    """
+    import os, sys, torch
+    from tests.unit.toyengine import checkpoint, meta_model, sources
+    from weightcache.checkpoint import cache_config, read_checkpoint
+    from weightcache.client import attach_layout
+    from weightcache.integrations.trace import trace_load
+    model = meta_model()
+    plan = trace_load(model, sources(checkpoint()), model.load_weights).plan
+    config = cache_config(read_checkpoint(os.environ["WC_MODEL"]), torch.device("cpu"))
+    attached = attach_layout(sys.argv[1], config, plan, ["memfd"], wait_ready=120)
+    print(attached.fingerprint, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_engine_layouts_are_readopted_without_reading_the_checkpoint(
+    daemons, engines, tmp_path
+) -> None:
+    from tests.unit.plankit import same_bits
+    from tests.unit.toyengine import (
+        ToyEngine,
+        checkpoint,
+        meta_model,
+        real_load,
+        save_checkpoint,
+        sources,
+    )
+    from weightcache.checkpoint import cache_config, read_checkpoint
+    from weightcache.client import attach_layout
+    from weightcache.integrations.trace import trace_load
+
+    tensors = checkpoint()
+    model = save_checkpoint(tmp_path / "toy", tensors)
+    daemon = daemons(model, "--transport", "memfd")
+    engine = engines.start(daemon.socket, LAYOUT_ENGINE, env={"WC_MODEL": str(model)})
+    [layout] = daemon.status().layouts  # the checkpoint layout was dropped
+    assert layout.fingerprint == engine.line and layout.plan is not None
+    manifest = read_manifest(manifest_path(daemon.socket, layout.plan))
+    assert manifest.fingerprint == layout.fingerprint and manifest.config.plan == layout.plan
+    assert not os.path.exists(manifest_path(daemon.socket))  # gone with the dropped layout
+
+    daemon.kill()
+    zero_tensor_bytes(model / "model.safetensors")
+    status = daemon.start().status()
+    assert status.readopted and status.load_source == "readopted"
+    assert f"engine pid {engine.pid}" in status.load_reason
+    assert [(s.plan, s.source) for s in status.layouts] == [(layout.plan, "readopted")]
+    assert status.preloaded_weights_bytes == layout.bytes
+    # Served by hash: a new engine of the same plan maps the bytes only the engine held.
+    meta = meta_model()
+    plan = trace_load(meta, sources(tensors), meta.load_weights).plan
+    config = cache_config(read_checkpoint(model), torch.device("cpu"))
+    second = attach_layout(daemon.socket, config, plan, ["memfd"])
+    try:
+        own = real_load(ToyEngine(), tensors)
+        assert [n for n in own if not same_bits(second.tensors[n], own[n])] == []
+    finally:
+        second.close()
+
+    engine.kill()
+    engine.wait()
+    status = restart(daemon)
+    assert status.load_source == "disk" and not status.readopted
+    assert [s.plan for s in status.layouts] == [None]
+    assert not os.path.exists(manifest_path(daemon.socket, layout.plan))
