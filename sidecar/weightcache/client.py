@@ -423,12 +423,12 @@ def attach_layout(
     """
     transports = list(transports or default_client_transports())
     key = plan_hash(plan)
-    expected = msgspec.structs.replace(config, plan=key)
-    by_hash = FetchLayoutRequest(v=1, config=config, plan_hash=key, transports=transports)
     try:
-        attached = _attach(socket_path, by_hash, expected, transports, **options)
+        attached = attach_by_hash(socket_path, config, key, transports, **options)
     except UnknownLayout:
-        with_plan = msgspec.structs.replace(by_hash, plan=plan)
+        expected = msgspec.structs.replace(config, plan=key)
+        with_plan = FetchLayoutRequest(v=1, config=config, plan_hash=key,
+                                       transports=transports, plan=plan)  # fmt: skip
         attached = _attach(socket_path, with_plan, expected, transports, **options)
     try:
         check_params(attached.tensors, plan)
@@ -436,6 +436,21 @@ def attach_layout(
         attached.close()
         raise
     return attached
+
+
+def attach_by_hash(
+    socket_path: str,
+    config: CacheConfig,
+    plan: str,
+    transports: list[str] | None = None,
+    **options,
+) -> AttachedWeights:
+    """Map the engine layout the daemon holds under the plan hash ``plan`` (tools, a
+    neighbour daemon seeding itself); :class:`UnknownLayout` if it holds none."""
+    transports = list(transports or default_client_transports())
+    expected = msgspec.structs.replace(config, plan=plan)
+    request = FetchLayoutRequest(v=1, config=config, plan_hash=plan, transports=transports)
+    return _attach(socket_path, request, expected, transports, **options)
 
 
 def check_params(tensors: Mapping[str, torch.Tensor], plan: LoadPlan) -> None:

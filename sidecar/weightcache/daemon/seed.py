@@ -51,10 +51,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import torch
 
 from weightcache.checkpoint import cache_config, read_checkpoint
-from weightcache.client import ConfigMismatch, attach, daemon_status
+from weightcache.client import ConfigMismatch, attach, attach_by_hash, daemon_status
 from weightcache.daemon.loader import expected_bytes, tensor_specs_for
 from weightcache.daemon.lock import FileLock
 from weightcache.daemon.manifest import (
@@ -69,7 +70,7 @@ from weightcache.daemon.manifest import (
 )
 from weightcache.daemon.resident import ResidentWeights, load_from_disk
 from weightcache.daemon.statedir import state_dir
-from weightcache.layout import plan_layout
+from weightcache.layout import plan_layout, tensor_specs
 from weightcache.protocol import CacheConfig, DaemonStatus, Layout, ShardSpec, fingerprint
 from weightcache.transport import get_daemon_transport_backend
 from weightcache.transport.base import DaemonMemory, WeightCacheTransportBackend
@@ -91,11 +92,14 @@ class CopyMismatch(SeedUnavailable):
 
 @dataclass
 class Obtained:
-    """Weights a daemon obtained (from a peer or the disk), why, and the load lock it holds."""
+    """Weights a daemon obtained (from a peer or the disk), why, and the load lock it holds.
+    ``resident`` is the checkpoint layout (None when a neighbour held only engine layouts,
+    which ``layouts`` holds by plan hash)."""
 
-    resident: ResidentWeights
+    resident: ResidentWeights | None
     reason: str
     turn: FileLock | None = None
+    layouts: dict[str, ResidentWeights] = field(default_factory=dict)
 
     def release(self) -> None:
         """Once the daemon serves: waiters may now find it ready."""
@@ -124,18 +128,23 @@ class Survey:
 
 @dataclass
 class Seeded:
-    resident: ResidentWeights
+    # The layouts copied: the checkpoint's under None, engines' by plan hash.
+    residents: dict[str | None, ResidentWeights]
     copy_seconds: float
     verify_seconds: float
 
     def summary(self, neighbour: Neighbour) -> str:
-        nbytes = self.resident.preloaded_weights_bytes
+        nbytes = sum(r.preloaded_weights_bytes for r in self.residents.values())
         rate = nbytes / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
+        layouts = sorted(p[:12] for p in self.residents if p is not None)
+        which = f" and engine layout(s) {', '.join(layouts)}" if layouts else ""
+        if None not in self.residents:
+            which = f" engine layout(s) {', '.join(layouts)} (it holds no checkpoint layout)"
         return (
-            f"seeded from {self.resident.seeded_from} ({neighbour.name}, pid "
-            f"{neighbour.status.pid}): copied {nbytes / 1e9:.2f} GB in {self.copy_seconds:.3f} s "
-            f"({rate:.1f} GB/s), verified in {self.verify_seconds:.3f} s, every checksum "
-            "matching its manifest"
+            f"seeded from {neighbour.status.gpu} ({neighbour.name}, pid "
+            f"{neighbour.status.pid}){which}: copied {nbytes / 1e9:.2f} GB in "
+            f"{self.copy_seconds:.3f} s ({rate:.1f} GB/s), verified in "
+            f"{self.verify_seconds:.3f} s, every checksum matching its manifest"
         )
 
 
@@ -249,6 +258,14 @@ def visible_gpus() -> dict[str, int]:
     return {gpu_uuid(i): i for i in range(torch.cuda.device_count())}
 
 
+def held_plans(status: DaemonStatus) -> list[str | None]:
+    """The layouts a neighbour holds ready: the checkpoint's (None) and engines' hashes.
+    A daemon that reports no layouts (an older one) holds the checkpoint layout alone."""
+    if not status.layouts:
+        return [None]
+    return [s.plan for s in status.layouts if s.state == "ready"]
+
+
 def seed_from(
     neighbour: Neighbour,
     target: Target,
@@ -256,55 +273,92 @@ def seed_from(
     timeout: float,
     progress: Callable[[str], None] = lambda phase: None,
 ) -> Seeded:
-    """Copy ``neighbour``'s weights into memory of our own and verify them; raises why not."""
+    """Copy every layout ``neighbour`` holds (its checkpoint layout, engines' layouts) into
+    memory of our own and verify each; raises why not (having released what it copied)."""
+    peer_gpu = neighbour.status.gpu
+    if target.device.type == "cuda":
+        own = target.device.index or 0
+        peer_ordinal(own, peer_gpu, visible_gpus(), torch.cuda.can_device_access_peer)
+    plans = held_plans(neighbour.status)
+    if not plans:
+        raise SeedUnavailable("holds no layout ready")
+    copied: dict[str | None, ResidentWeights] = {}
+    copy_seconds = verify_seconds = 0.0
+    try:
+        for plan in plans:
+            resident, copy, verify = _copy_layout(neighbour, target, plan, timeout, progress)
+            copied[plan] = resident
+            copy_seconds += copy
+            verify_seconds += verify
+    except BaseException:
+        for resident in copied.values():
+            resident.close()
+        raise
+    return Seeded(copied, copy_seconds, verify_seconds)
+
+
+def _copy_layout(
+    neighbour: Neighbour,
+    target: Target,
+    plan: str | None,
+    timeout: float,
+    progress: Callable[[str], None],
+) -> tuple[ResidentWeights, float, float]:
+    """One layout of ``neighbour`` (the checkpoint's, or the engine layout ``plan``),
+    copied and verified: (our copy, copy seconds, verify seconds)."""
     started = time.perf_counter()
     peer_gpu = neighbour.status.gpu
+    config = msgspec.structs.replace(target.config, plan=plan)
+    what = "its weights" if plan is None else f"its layout {plan[:12]}"
     try:
-        manifest = read_manifest(manifest_path(neighbour.socket_path))
+        manifest = read_manifest(manifest_path(neighbour.socket_path, plan))
     except ManifestError as exc:
-        raise SeedUnavailable(f"cannot verify a copy: {exc}") from None
+        of = "" if plan is None else f" of layout {plan[:12]}"
+        raise SeedUnavailable(f"cannot verify a copy{of}: {exc}") from None
     problem = manifest_problem(
         manifest,
-        fingerprint=target.fingerprint,
+        fingerprint=fingerprint(config),
         transport=target.backend.name,
         gpu=peer_gpu,
-        layout=target.layout,
+        # An engine layout is planned from its load plan, which only the neighbour has;
+        # its manifest's layout (checked when read) is the one the copy must fill.
+        layout=target.layout if plan is None else manifest.layout,
     )
     if problem is not None:
         raise SeedUnavailable(problem)
+    layout = manifest.layout
     on_gpu = target.device.type == "cuda"
-    if on_gpu:
-        own = target.device.index or 0
-        peer_ordinal(own, peer_gpu, visible_gpus(), torch.cuda.can_device_access_peer)
 
-    progress(f"asking {neighbour.name} for its weights")
+    progress(f"asking {neighbour.name} for {what}")
     with torch.cuda.device(target.device) if on_gpu else contextlib.nullcontext():
         # As an engine: the listener must run as our uid; the neighbour compares our whole
         # config before it sends fds. Mapped read-only, for this device (vmm_fd: the
         # neighbour's memory over peer access).
+        options = dict(watchdog=False, handback=False, timeout=timeout,
+                       daemon_uids=[os.geteuid()])  # fmt: skip
         try:
-            attached = attach(
-                neighbour.socket_path,
-                target.config,
-                [target.backend.name],
-                watchdog=False,
-                handback=False,
-                timeout=timeout,
-                daemon_uids=[os.geteuid()],
-            )
+            if plan is None:
+                attached = attach(
+                    neighbour.socket_path, target.config, [target.backend.name], **options
+                )
+            else:
+                attached = attach_by_hash(
+                    neighbour.socket_path, target.config, plan, [target.backend.name], **options
+                )
         except ConfigMismatch as exc:
             raise SeedUnavailable(f"holds other weights ({', '.join(exc.fields)})") from None
         memory: DaemonMemory | None = None
         try:
             source = attached.allocations()
             sizes = [b.numel() for b in source]
-            if sizes != target.layout.allocation_sizes:
+            if sizes != layout.allocation_sizes:
                 raise SeedUnavailable(
                     f"serves allocations of {sizes} bytes, the layout says "
-                    f"{target.layout.allocation_sizes}"
+                    f"{layout.allocation_sizes}"
                 )
             memory = target.backend.allocate(sizes, target.device)
-            progress(f"copying from {neighbour.name}")
+            layout_of = "" if plan is None else f" layout {plan[:12]}"
+            progress(f"copying{layout_of} from {neighbour.name}")
             copy_started = time.perf_counter()
             for mine, theirs in zip(memory.buffers, source, strict=True):
                 mine.copy_(theirs)
@@ -320,7 +374,7 @@ def seed_from(
             attached.close()  # the neighbour's mapping goes with its last view
         try:
             memory.finish_load()
-            progress("verifying the copy")
+            progress("verifying the copy" if plan is None else f"verifying layout {plan[:12]}")
             verify_started = time.perf_counter()
             own_key = secrets.token_bytes(32)
             peer_key = bytes.fromhex(manifest.checksum_key)
@@ -328,8 +382,9 @@ def seed_from(
             pairs = zip(per_allocation, manifest.digests, strict=True)
             bad = [i for i, (digests, want) in enumerate(pairs) if digests[0] != want]
             if bad:
+                of = "" if plan is None else f" of layout {plan[:12]}"
                 raise CopyMismatch(
-                    f"checksum of allocation(s) {bad} does not match its manifest "
+                    f"checksum of allocation(s) {bad}{of} does not match its manifest "
                     "(its memory holds other bytes than it loaded)"
                 )
             verify_seconds = time.perf_counter() - verify_started
@@ -338,32 +393,34 @@ def seed_from(
             memory.close()
             raise
     resident = ResidentWeights(
-        config=target.config,
-        fingerprint=target.fingerprint,
-        layout=target.layout,
+        config=config,
+        fingerprint=fingerprint(config),
+        layout=layout,
         memory=memory,
         export=export,
-        expected_bytes=target.expected_bytes,
+        expected_bytes=target.expected_bytes
+        if plan is None
+        else sum(spec.nbytes for spec, _, _ in tensor_specs(layout)),
         load_seconds=time.perf_counter() - started,
         load_source="peer",
         seeded_from=peer_gpu,
     )
     _save_own_manifest(target, resident, own_key, [d[1] for d in per_allocation])
-    return Seeded(resident, copy_seconds, verify_seconds)
+    return resident, copy_seconds, verify_seconds
 
 
 def _save_own_manifest(
     target: Target, resident: ResidentWeights, key: bytes, digests: list[str]
 ) -> None:
     """Our successor's manifest, under our own key; a failure only costs that successor."""
-    path = manifest_path(target.socket_path)
+    path = manifest_path(target.socket_path, resident.config.plan)
     manifest = Manifest(
         v=1,
-        fingerprint=target.fingerprint,
-        config=target.config,
+        fingerprint=resident.fingerprint,
+        config=resident.config,
         transport=target.backend.name,
         gpu=target.gpu,
-        layout=target.layout,
+        layout=resident.layout,
         checksum=algorithm_for(target.device),
         checksum_key=key.hex(),
         digests=digests,
@@ -423,6 +480,7 @@ def obtain_weights(
     wait_seconds: float = WAIT_SECONDS,
     timeout: float = 10.0,
     progress: Callable[[str], None] = lambda phase: None,
+    keep_checkpoint: bool = False,
 ) -> Obtained:
     """The weights, from a ready neighbour or else from disk (see the module docstring).
 
@@ -458,7 +516,14 @@ def obtain_weights(
                 continue
             reason = seeded.summary(neighbour)
             log.info("%s", reason)
-            return Obtained(seeded.resident, "; ".join([reason, *failures]))
+            layouts = {p: r for p, r in seeded.residents.items() if p is not None}
+            checkpoint = seeded.residents.get(None)
+            if checkpoint is None and keep_checkpoint:
+                reason = f"{reason}; the checkpoint layout kept as well"
+                obtained = _from_disk(socket_path, gpu, disk, reason, None, progress)
+                obtained.layouts = layouts
+                return obtained
+            return Obtained(checkpoint, "; ".join([reason, *failures]), layouts=layouts)
         holder = turn.try_acquire()
         if holder is None:
             why = _disk_reason(found, failures, waited_for)

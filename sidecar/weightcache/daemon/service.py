@@ -205,12 +205,12 @@ class Daemon:
                 progress=self._progress.mark,
             )
             self._load_reason = readoption.reason
-            readopted = dict(readoption.residents)
-            checkpoint_layout = readopted.pop(None, None)
-            self._resident = checkpoint_layout or next(iter(readopted.values()), None)
+            layouts = dict(readoption.residents)
+            checkpoint_layout = layouts.pop(None, None)
+            self._resident = checkpoint_layout or next(iter(layouts.values()), None)
             # Engine layouts re-adopted: the checkpoint layout is loaded only if kept or
             # also re-adopted (it is rebuilt from disk if an engine asks for it).
-            if checkpoint_layout is None and (not readopted or opts.keep_checkpoint_layout):
+            if checkpoint_layout is None and (not layouts or opts.keep_checkpoint_layout):
                 obtained = obtain_weights(
                     opts.socket_path,
                     opts.gpu,
@@ -219,13 +219,17 @@ class Daemon:
                     wait_seconds=opts.peer_wait_seconds,
                     timeout=opts.limits.timeout_seconds,
                     progress=self._progress.mark,
+                    keep_checkpoint=opts.keep_checkpoint_layout,
                 )
                 checkpoint_layout = obtained.resident
-                self._resident = self._resident or checkpoint_layout
+                layouts.update(obtained.layouts)  # seeded from a neighbour
+                self._resident = self._resident or checkpoint_layout or next(
+                    iter(obtained.layouts.values()), None
+                )
                 self._load_reason = f"{readoption.reason}; {obtained.reason}"
             r = self._resident
             assert r is not None
-            self._holdings = self._hold(checkpoint_layout, readopted, disk)
+            self._holdings = self._hold(checkpoint_layout, layouts, disk)
             log.info(
                 "ready: %d bytes resident via %s in %.2f s (%s), fingerprint %s",
                 r.preloaded_weights_bytes,

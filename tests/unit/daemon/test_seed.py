@@ -413,3 +413,53 @@ def test_a_gpu_must_be_visible_and_peer_accessible_to_seed_from() -> None:
 def test_a_lone_daemon_says_nobody_holds_its_weights(daemons, model) -> None:
     lone = daemons(model, *MEMFD)
     assert "read from disk: no neighbour holds these weights" in lone.status().load_reason
+
+
+def test_engine_layouts_are_seeded_from_a_neighbour_that_holds_only_those(
+    daemons, tmp_path
+) -> None:
+    """The neighbour dropped its checkpoint layout once an engine's own was built: the
+    second daemon copies that layout (verified under the neighbour's manifest key), not the
+    checkpoint, and serves it by hash bit-equal to the engine's own load."""
+    from tests.unit.plankit import same_bits
+    from tests.unit.toyengine import (
+        ToyEngine,
+        checkpoint,
+        meta_model,
+        real_load,
+        save_checkpoint,
+        sources,
+    )
+    from weightcache.checkpoint import cache_config, read_checkpoint
+    from weightcache.client import attach_by_hash, attach_layout
+    from weightcache.integrations.trace import trace_load
+
+    tensors = checkpoint()
+    model = save_checkpoint(tmp_path / "toy", tensors)
+    first = daemons(model, *MEMFD)
+    meta = meta_model()
+    plan = trace_load(meta, sources(tensors), meta.load_weights).plan
+    config = cache_config(read_checkpoint(model), CPU)
+    attach_layout(first.socket, config, plan, ["memfd"], wait_ready=60).close()
+    [layout] = first.status().layouts
+    assert layout.plan is not None  # the checkpoint layout is gone
+    zero_tensor_bytes(model / "model.safetensors")
+
+    second = daemons(model, *MEMFD, workdir=first.workdir, socket_name="d/cpu-b.sock")
+    status = second.status()
+    assert status.load_source == "peer" and status.seeded_from == "cpu"
+    assert [(s.plan, s.source) for s in status.layouts] == [(layout.plan, "peer")]
+    assert (
+        f"engine layout(s) {layout.plan[:12]} (it holds no checkpoint layout)"
+        in status.load_reason
+    )
+    ours = read_manifest(manifest_path(second.socket, layout.plan))
+    theirs = read_manifest(manifest_path(first.socket, layout.plan))
+    assert ours.fingerprint == theirs.fingerprint == layout.fingerprint
+    assert ours.checksum_key != theirs.checksum_key
+    attached = attach_by_hash(second.socket, config, layout.plan, ["memfd"])
+    try:
+        own = real_load(ToyEngine(), tensors)
+        assert [n for n in own if not same_bits(attached.tensors[n], own[n])] == []
+    finally:
+        attached.close()
