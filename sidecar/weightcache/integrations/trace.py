@@ -181,6 +181,8 @@ class _Recorder(TorchDispatchMode):
     # ------------------------------------------------------------------ per operation
 
     def _observe(self, func, args, kwargs, out) -> None:
+        if func is aten.copy_.default and _same_view(args[0], args[1]):
+            return  # torch returns at once: no byte is written (vLLM's MoE "padding" does it)
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         input_keys = {_key(a) for a in inputs}
         for t in self._mutated(func, args, kwargs):
@@ -385,6 +387,15 @@ class _Recorder(TorchDispatchMode):
             if part.piece.unknown is not None:
                 return part.piece.unknown
         return parts
+
+
+def _same_view(a: torch.Tensor, b: object) -> bool:
+    return (
+        isinstance(b, torch.Tensor)
+        and _key(a) == _key(b)
+        and a.dtype == b.dtype
+        and _region(a) == _region(b)
+    )
 
 
 def _inside(g: Region, frame: Region) -> bool:

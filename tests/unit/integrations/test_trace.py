@@ -118,6 +118,11 @@ def test_post_processing_must_leave_parameters_alone() -> None:
     report = traced_with(harmless)
     assert report.copied == {} and report.post_error is None
 
+    def copies_onto_itself(model):  # vLLM's MoE "padding" without padding: torch's copy_
+        model.norm.data.copy_(model.norm.data)  # of a tensor onto itself writes nothing
+
+    assert traced_with(copies_onto_itself).copied == {}
+
     def transposes(model):
         layer = model.layers[0]
         layer.o_proj = nn.Parameter(layer.o_proj.t().contiguous(), requires_grad=False)
