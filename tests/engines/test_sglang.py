@@ -238,3 +238,30 @@ def test_preloaded_bytes_go_in_rank_local_before_the_min() -> None:
     baselines = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert baselines == [11.5, 11.5]  # min(10 + 2, 11 + 0.5) on both ranks
+
+
+def test_a_draft_model_loads_from_disk_unless_it_has_a_cache_of_its_own(
+    memfd_daemon, minilm_dir, caplog
+) -> None:
+    """A speculative draft is not the cache's model: without draft_socket/draft_cache it
+    loads from disk with a log line, even with fallback off and no target daemon; with
+    one it attaches there; a configured one that is unusable fails."""
+    import logging
+
+    from weightcache.integrations.loading import DaemonUnavailable
+
+    draft = ModelConfig(model_path=str(minilm_dir), dtype="float32", is_draft_model=True)
+    absent = "/tmp/wc-no-daemon-here/cpu.sock"
+    with caplog.at_level(logging.INFO, logger="weightcache"):
+        loader = loader_for({"socket": absent, "fallback": False, "wait_ready_s": 0})
+        assert loader.attachment(draft, CPU).attached is None
+        assert loader.preloaded_weights_bytes == 0
+    assert f"the draft model {minilm_dir} loads from disk" in caplog.text
+
+    own = loader_for({"socket": absent, "draft_socket": memfd_daemon.socket})
+    assert own.attachment(draft, CPU).attached.transport == "memfd"
+    assert own.preloaded_weights_bytes == memfd_daemon.status().preloaded_weights_bytes
+
+    unusable = loader_for({"socket": absent, "draft_socket": absent, "wait_ready_s": 0})
+    with pytest.raises(DaemonUnavailable, match="fallback is off"):
+        unusable.attachment(draft, CPU)

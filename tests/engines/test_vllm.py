@@ -197,13 +197,24 @@ def test_a_mismatched_daemon_is_refused_naming_the_field(float16_daemon, vllm_co
     assert allowed.get_external_weight_memory(vllm_config) == 0
 
 
-def test_quantized_models_are_refused(memfd_daemon, vllm_config) -> None:
+def with_model_config(vllm_config, **changes):
+    """A copy of ``vllm_config`` whose (target) model config has ``changes``: a model
+    config other than the config's own would be a speculative draft's."""
     import copy
 
-    quantized = copy.copy(vllm_config.model_config)
-    quantized.quantization = "fp8"
+    changed = copy.copy(vllm_config)
+    changed.model_config = copy.copy(vllm_config.model_config)
+    for name, value in changes.items():
+        setattr(changed.model_config, name, value)
+    return changed
+
+
+def test_quantized_models_are_refused(memfd_daemon, vllm_config) -> None:
+    quantized = with_model_config(vllm_config, quantization="fp8")
     with pytest.raises(ValueError, match="does not support quantization 'fp8'"):
-        loader_for({"socket": memfd_daemon.socket}).attachment(vllm_config, quantized)
+        loader_for({"socket": memfd_daemon.socket}).attachment(
+            quantized, quantized.model_config
+        )
 
 
 @pytest.fixture(scope="module")
@@ -322,9 +333,54 @@ def test_sleep_mode_is_refused_at_load(memfd_daemon, vllm_config) -> None:
     """Sleep level 2 discards the weights and reloads them in place on wake-up (the CUDA
     worker would lose the copied tensors; vLLM refuses sleep mode on CPU by itself, so
     the config is the CPU one with the flag set): refused when the model loads."""
+    sleepy = with_model_config(vllm_config, enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="does not support sleep mode"):
+        loader_for({"socket": memfd_daemon.socket}).attachment(sleepy, sleepy.model_config)
+
+
+def test_weight_transfer_is_refused_at_load(memfd_daemon, vllm_config) -> None:
+    """vLLM's weight transfer (an RL trainer streaming new weights into the engine) is a
+    start-up setting that writes every weight in place: refused when the model loads."""
     import copy
 
-    sleepy = copy.copy(vllm_config.model_config)
-    sleepy.enable_sleep_mode = True
-    with pytest.raises(ValueError, match="does not support sleep mode"):
-        loader_for({"socket": memfd_daemon.socket}).attachment(vllm_config, sleepy)
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    transferring = copy.copy(vllm_config)
+    transferring.weight_transfer_config = WeightTransferConfig(backend="nccl")
+    with pytest.raises(ValueError, match="does not support weight transfer"):
+        loader_for({"socket": memfd_daemon.socket}).attachment(
+            transferring, transferring.model_config
+        )
+
+
+def test_a_draft_model_loads_from_disk_unless_it_has_a_cache_of_its_own(
+    memfd_daemon, vllm_config, caplog
+) -> None:
+    """A speculative draft (a model config other than the target's) is not the cache's
+    model: without draft_socket/draft_cache it loads from disk with a log line, even with
+    fallback off and no target daemon; with one it attaches there and the worker's budget
+    counts its bytes too; a configured one that is unusable fails."""
+    import copy
+    import logging
+    from types import SimpleNamespace
+
+    draft = copy.copy(vllm_config.model_config)  # another model config: vLLM's draft
+    absent = "/tmp/wc-no-daemon-here/cpu.sock"
+    with caplog.at_level(logging.INFO, logger="weightcache"):
+        loader = loader_for({"socket": absent, "fallback": False, "wait_ready_s": 0})
+        assert loader.attachment(vllm_config, draft).attached is None
+    assert f"the draft model {draft.model} loads from disk" in caplog.text
+
+    both = loader_for({"socket": memfd_daemon.socket, "draft_socket": memfd_daemon.socket})
+    assert both.attachment(vllm_config, draft).attached.transport == "memfd"
+    speculative = copy.copy(vllm_config)
+    speculative.speculative_config = SimpleNamespace(draft_model_config=draft)
+    held = memfd_daemon.status().preloaded_weights_bytes
+    assert both.get_external_weight_memory(speculative) == 2 * held  # target + draft
+    assert loader_for({"socket": memfd_daemon.socket}).get_external_weight_memory(
+        speculative
+    ) == held  # a draft from disk is the engine's own memory
+
+    unusable = loader_for({"socket": absent, "draft_socket": absent, "wait_ready_s": 0})
+    with pytest.raises(DaemonUnavailable, match="fallback is off"):
+        unusable.attachment(vllm_config, draft)

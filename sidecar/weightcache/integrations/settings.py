@@ -9,6 +9,7 @@ mapping and the environment and returns :class:`AdapterSettings` or raises
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ ENV_VARS: dict[str, str] = {
     "wait_ready_s": "WEIGHTCACHE_WAIT_READY_S",
     "fallback": "WEIGHTCACHE_FALLBACK",
     "shard_plan": "WEIGHTCACHE_SHARD_PLAN",
+    "draft_socket": "WEIGHTCACHE_DRAFT_SOCKET",
+    "draft_cache": "WEIGHTCACHE_DRAFT_CACHE",
 }
 DEFAULT_WAIT_READY_S = 300.0
 # How long to wait for a socket nobody answers on (absent, or refused): a restarting
@@ -55,6 +58,9 @@ class AdapterSettings:
     became ready or holds other weights, logging why at WARNING; on by
     default, off for setups that must never load from disk.
     ``shard_plan``: the daemon's ``--shard-plan`` when tensor-parallel.
+    ``draft_socket`` or ``draft_cache`` (under the same ``socket_dir``): the
+    WeightCache of a speculative draft model (:meth:`for_draft`); without
+    either the draft loads from disk.
     """
 
     socket: str | None = None
@@ -64,6 +70,8 @@ class AdapterSettings:
     wait_ready_s: float = DEFAULT_WAIT_READY_S
     fallback: bool = True
     shard_plan: str | None = None
+    draft_socket: str | None = None
+    draft_cache: str | None = None
     absent_wait_s: float = ABSENT_WAIT_S
 
     @classmethod
@@ -99,6 +107,30 @@ class AdapterSettings:
                 "no daemon socket configured: set socket (or WEIGHTCACHE_SOCKET), or "
                 "socket_dir and cache (WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_CACHE=NAMESPACE.NAME)"
             )
+        if self.draft_socket is not None and self.draft_cache is not None:
+            raise SettingsError("give either draft_socket or draft_cache, not both")
+        if self.draft_cache is not None and self.socket_dir is None:
+            raise SettingsError(
+                "draft_cache names a WeightCache under socket_dir, which is not set; "
+                "use socket_dir + cache, or draft_socket"
+            )
+
+    def for_draft(self) -> AdapterSettings | None:
+        """The settings a speculative draft model attaches with, None if it loads from disk.
+
+        A draft is not the cache's model: it attaches only to a WeightCache of its
+        own (``draft_socket`` / ``draft_cache``), and since that was configured,
+        an unusable one fails instead of falling back. Without one it loads from
+        disk, whatever ``fallback`` says.
+        """
+        if self.draft_socket is None and self.draft_cache is None:
+            return None
+        own = {"socket": self.draft_socket, "socket_dir": None, "cache": None}
+        if self.draft_cache is not None:
+            own = {"socket": None, "cache": self.draft_cache}
+        return dataclasses.replace(
+            self, **own, fallback=False, draft_socket=None, draft_cache=None
+        )
 
     def socket_for(self, gpu_uuid: str | None, tp_size: int = 1) -> str:
         """This rank's daemon socket: ``gpu_uuid`` is the rank's GPU (None: CPU)."""
@@ -182,4 +214,6 @@ _PARSERS = {
     "wait_ready_s": _seconds,
     "fallback": _flag,
     "shard_plan": _plan,
+    "draft_socket": _string,
+    "draft_cache": _cache,
 }

@@ -83,3 +83,33 @@ def test_socket_paths_over_the_unix_limit_are_refused() -> None:
 def test_bad_settings_name_what_is_wrong(config: dict, env: dict, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         AdapterSettings.from_sources(config, env)
+
+
+def test_a_draft_without_a_cache_of_its_own_loads_from_disk_even_without_fallback() -> None:
+    settings = AdapterSettings.from_sources({"socket": "/tmp/d.sock", "fallback": False}, {})
+    assert settings.for_draft() is None
+
+
+def test_a_draft_cache_is_its_own_and_never_falls_back() -> None:
+    by_cache = AdapterSettings.from_sources(
+        {"socket_dir": "/run/wc", "cache": "ns.target"}, {"WEIGHTCACHE_DRAFT_CACHE": "ns.draft"}
+    ).for_draft()
+    assert by_cache is not None and by_cache.fallback is False  # configured: must be usable
+    assert by_cache.socket_for(None) == "/run/wc/ns.draft/cpu.sock"
+    assert by_cache.for_draft() is None
+    by_socket = AdapterSettings.from_sources(
+        {"socket_dir": "/run/wc", "cache": "ns.target", "draft_socket": "/tmp/draft.sock"}, {}
+    ).for_draft()
+    assert by_socket is not None and by_socket.socket_for(None) == "/tmp/draft.sock"
+    assert by_socket.fallback is False
+
+
+def test_draft_settings_that_cannot_name_one_daemon_are_refused() -> None:
+    with pytest.raises(SettingsError, match="either draft_socket or draft_cache"):
+        AdapterSettings.from_sources(
+            {"socket_dir": "/d", "cache": "n.m", "draft_socket": "/x", "draft_cache": "n.d"}, {}
+        )
+    with pytest.raises(SettingsError, match="draft_cache names a WeightCache under socket_dir"):
+        AdapterSettings.from_sources({"socket": "/d.sock", "draft_cache": "n.d"}, {})
+    with pytest.raises(SettingsError, match="must be NAMESPACE.NAME"):
+        AdapterSettings.from_sources({"socket_dir": "/d", "cache": "n.m", "draft_cache": "x"}, {})

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weightcache-transports", dest="transports", help="comma-separated")
     parser.add_argument("--weightcache-wait-ready-s", dest="wait_ready_s")
     parser.add_argument("--weightcache-shard-plan", dest="shard_plan")
+    parser.add_argument("--weightcache-draft-socket", dest="draft_socket")
+    parser.add_argument("--weightcache-draft-cache", dest="draft_cache", help="NAMESPACE.NAME")
     parser.add_argument(
         "--weightcache-fallback", dest="fallback", action="store_const", const=True,
         help="load from disk when no usable daemon answers (default: fail)",

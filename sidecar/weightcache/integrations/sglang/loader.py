@@ -53,6 +53,12 @@ WEIGHT_UPDATES_REFUSED = (
     "Serve the new weights from a WeightCache of their own (or restart without the "
     "weightcache loader)"
 )
+# A speculative draft is not the cache's model: without a WeightCache of its own
+# (draft_cache / draft_socket) it loads from disk, whatever `fallback` says.
+DRAFT_FROM_DISK = (
+    "weightcache: the draft model %s loads from disk (a draft is not the cache's model; "
+    "draft_cache or draft_socket maps it from a WeightCache of its own)"
+)
 
 
 class WeightcacheModelLoader(BaseModelLoader):
@@ -126,8 +132,16 @@ class WeightcacheModelLoader(BaseModelLoader):
         return model.eval()
 
     def attachment(self, model_config: ModelConfig, device_config: DeviceConfig) -> Attachment:
-        """This rank's attach decision (made once per process, then cached); load_model's
-        first step, after which ``preloaded_weights_bytes`` holds its bytes."""
+        """This rank's attach decision for the target or a speculative draft (made once
+        per process, then cached); load_model's first step, after which
+        ``preloaded_weights_bytes`` holds its bytes."""
+        settings = self.settings
+        if getattr(model_config, "is_draft_model", False):
+            settings = self.settings.for_draft()
+            if settings is None:
+                log.info(DRAFT_FROM_DISK, model_config.model_path)
+                self._decided = Attachment("", None, "a draft model without a cache of its own")
+                return self._decided
         if model_config.quantization is not None:
             raise ValueError(
                 f"weightcache does not serve quantized models ({model_config.quantization!r}): "
@@ -143,13 +157,13 @@ class WeightcacheModelLoader(BaseModelLoader):
             shard=ShardSpec(
                 tp_size=tp_size,
                 tp_rank=tp_rank,
-                plan=self.settings.shard_plan or ("llama" if tp_size > 1 else None),
+                plan=settings.shard_plan or ("llama" if tp_size > 1 else None),
             ),
             revision=model_config.revision,
         )
         uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
-        socket = self.settings.socket_for(uuid, tp_size)
-        self._decided = attachment(self.settings, socket, expected_configs(target))
+        socket = settings.socket_for(uuid, tp_size)
+        self._decided = attachment(settings, socket, expected_configs(target))
         return self._decided
 
     def _disk_loader(self) -> DefaultModelLoader:

@@ -59,6 +59,12 @@ WEIGHT_UPDATES_REFUSED = (
     "Serve the new weights from a WeightCache of their own (or restart without "
     "--load-format weightcache)"
 )
+# A speculative draft is not the cache's model: without a WeightCache of its own
+# (draft_cache / draft_socket) it loads from disk, whatever `fallback` says.
+DRAFT_FROM_DISK = (
+    "weightcache: the draft model %s loads from disk (a draft is not the cache's model; "
+    "draft_cache or draft_socket maps it from a WeightCache of its own)"
+)
 
 
 class WeightcacheModelLoader(BaseModelLoader):
@@ -77,8 +83,14 @@ class WeightcacheModelLoader(BaseModelLoader):
     # ------------------------------------------------------------------ vLLM's hooks
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
-        """The daemon's bytes on this rank, 0 when the load will fall back to disk."""
-        return self.attachment(vllm_config, vllm_config.model_config).preloaded_weights_bytes
+        """The daemons' bytes on this rank (the target's, and a draft's from its own
+        cache), 0 for what will load from disk."""
+        total = self.attachment(vllm_config, vllm_config.model_config).preloaded_weights_bytes
+        speculative = getattr(vllm_config, "speculative_config", None)
+        draft = getattr(speculative, "draft_model_config", None)
+        if draft is not None and self.settings.for_draft() is not None:
+            total += self.attachment(vllm_config, draft).preloaded_weights_bytes
+        return total
 
     def download_model(self, model_config: ModelConfig) -> None:
         local_model_dir(model_config.model)  # nothing to download: the daemon's directory
@@ -93,10 +105,6 @@ class WeightcacheModelLoader(BaseModelLoader):
     def load_model(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> nn.Module:
-        if model_config is not vllm_config.model_config:
-            # A speculative draft: the daemon serves the target model only.
-            log.info("weightcache: the draft model %s loads from disk", model_config.model)
-            return self._disk_loader().load_model(vllm_config, model_config, prefix)
         decided = self.attachment(vllm_config, model_config)
         if decided.attached is None:
             return self._disk_loader().load_model(vllm_config, model_config, prefix)
@@ -146,7 +154,14 @@ class WeightcacheModelLoader(BaseModelLoader):
     # ------------------------------------------------------------------ ours
 
     def attachment(self, vllm_config: VllmConfig, model_config: ModelConfig) -> Attachment:
-        """This rank's attach decision (made once per process, then cached)."""
+        """This rank's attach decision for the target or a speculative draft
+        (``model_config`` other than the target's); made once per process, then cached."""
+        settings = self.settings
+        if model_config is not vllm_config.model_config:
+            settings = self.settings.for_draft()
+            if settings is None:
+                log.info(DRAFT_FROM_DISK, model_config.model)
+                return Attachment("", None, "a draft model without a cache of its own")
         _check_supported(vllm_config, model_config)
         device = _load_device(vllm_config, self.load_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -157,13 +172,13 @@ class WeightcacheModelLoader(BaseModelLoader):
             shard=ShardSpec(
                 tp_size=tp_size,
                 tp_rank=_tp_rank(tp_size),
-                plan=self.settings.shard_plan or ("llama" if tp_size > 1 else None),
+                plan=settings.shard_plan or ("llama" if tp_size > 1 else None),
             ),
             revision=model_config.revision,
         )
         uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
-        socket = self.settings.socket_for(uuid, tp_size)
-        return attachment(self.settings, socket, expected_configs(target))
+        socket = settings.socket_for(uuid, tp_size)
+        return attachment(settings, socket, expected_configs(target))
 
     def _disk_loader(self) -> DefaultModelLoader:
         return DefaultModelLoader(
