@@ -15,8 +15,9 @@ silently: a parameter written by arithmetic, from a tensor not read from the
 checkpoint, twice at the same elements, or replaced during loading, stays
 out of the plan and is named in :attr:`TraceReport.copied` with the reason.
 Post-processing (vLLM's ``process_weights_after_loading`` and the like) runs
-under the same watch: it must leave each parameter's storage and bytes alone
-(no write, no replacement), else that parameter is reported as copied too.
+under the same watch: a planned parameter it writes or replaces stays planned
+(its loading is exact) and is named in :attr:`TraceReport.post_processed`,
+since the engine then holds it in its own memory.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class TraceReport:
     plan: LoadPlan | None  # every parameter whose bytes a plan gives exactly; None: none
     param_bytes: dict[str, int]  # every parameter (first name) and its bytes
     copied: dict[str, str] = field(default_factory=dict)  # name -> why it is not planned
+    # Planned parameters that post-processing writes ("writes") or replaces or removes
+    # ("replaces"): the engine holds them in its own memory after all. name -> (how, why).
+    post_processed: dict[str, tuple[str, str]] = field(default_factory=dict)
     unwritten: list[str] = field(default_factory=list)  # nothing in loading wrote them
     incomplete: list[str] = field(default_factory=list)  # planned; some elements unwritten
     unread: list[str] = field(default_factory=list)  # checkpoint tensors no planned copy reads
@@ -87,7 +91,8 @@ class TraceReport:
 
     @property
     def copied_bytes(self) -> int:
-        return sum(self.param_bytes[n] for n in self.copied)
+        """What the engine ends up holding itself: unplanned and post-processed parameters."""
+        return sum(self.param_bytes[n] for n in {*self.copied, *self.post_processed})
 
 
 # --------------------------------------------------------------------------- bookkeeping
@@ -141,7 +146,10 @@ class _Param:
     param: torch.Tensor
     copies: list[Copy] = field(default_factory=list)
     fills: list[Fill] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # loading: not plannable
+    post: list[tuple[str, str]] = field(default_factory=list)  # post-processing: (how, why)
+    # A buffer: the model's own (rotary tables, scales) unless loading writes it.
+    buffer: bool = False
 
     @property
     def name(self) -> str:
@@ -222,7 +230,7 @@ class _Recorder(TorchDispatchMode):
 
     def _param_write(self, param: _Param, func, args, dst: torch.Tensor) -> None:
         if self.phase == "post":
-            param.reasons.append(f"post-processing writes it ({func})")
+            param.post.append(("writes", f"post-processing writes it ({func})"))
             return
         value = self._constant(func, args)
         if value is not None:
@@ -405,13 +413,30 @@ def _inside(g: Region, frame: Region) -> bool:
 # --------------------------------------------------------------------------- the trace
 
 
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers: engines load checkpoint tensors into both (BERT's
+    ``position_ids``), so both are the model's tensors a plan may fill."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}  # fmt: skip
+
+
+def _buffers_on_meta(model: nn.Module) -> None:
+    """Buffers are real in a model built under ``meta_parameters``; a traced model's go on
+    meta too, so copies into them are followed like any other (and cost nothing)."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not buf.is_meta:
+                module._buffers[name] = buf.to("meta")
+
+
 def _parameters(model: nn.Module) -> dict[int, _Param]:
     by_storage: dict[int, _Param] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    for name, param in _tensors(model).items():
         key = _key(param)
         known = by_storage.get(key)
         if known is None:
-            by_storage[key] = _Param([name], param)
+            by_storage[key] = _Param([name], param, buffer=name in buffers)
             continue
         known.names.append(name)  # tied: one parameter, or one view of it, under two names
         other = known.param
@@ -440,9 +465,11 @@ def trace_load(
     order: Iterable[str] | None = None,
 ) -> TraceReport:
     """Run the engine's ``load`` (its own loading code, given ``(name, tensor)`` pairs) on
-    ``model`` (parameters on meta) against stand-ins of ``sources``, then ``post_process``;
+    ``model`` (parameters on meta; its buffers are moved there, so trace a model built for
+    it) against stand-ins of ``sources``, then ``post_process``;
     return the plan and what could not be planned. ``order``: the checkpoint names in the
     order the engine would read them (default: ``sources``' order)."""
+    _buffers_on_meta(model)
     params = _parameters(model)
     before = {name: (key, p.param) for key, p in params.items() for name in p.names}
     inputs = stand_ins(sources)
@@ -450,7 +477,7 @@ def trace_load(
     names = list(order) if order is not None else list(inputs)
     with torch.no_grad(), recorder:
         load((name, inputs[name]) for name in names)
-    _replaced(model, before, params, "loading")
+    _replaced(model, before, params, post=False)
     post_error = None
     if post_process is not None:
         recorder.phase = "post"
@@ -459,27 +486,33 @@ def trace_load(
                 post_process()
         except Exception as exc:  # ops that cannot run on meta, device checks, ...
             post_error = f"{type(exc).__name__}: {exc}"
-        created = _replaced(model, before, params, "post-processing")
+        created = _replaced(model, before, params, post=True)
     else:
         created = []
     return _report(params, sources, recorder.read, created, post_error)
 
 
-def _replaced(model: nn.Module, before, params: dict[int, _Param], when: str) -> list[str]:
+def _replaced(model: nn.Module, before, params: dict[int, _Param], post: bool) -> list[str]:
     """Mark parameters that are gone or on another storage; return tensors that are new."""
-    now = dict(model.named_parameters(remove_duplicate=False))
+    now = _tensors(model)
+    when = "post-processing" if post else "loading"
     for name, (key, _) in before.items():
         current = now.get(name)
+        why = None
         if current is None:
-            params[key].reasons.append(f"removed by {when}")
+            why = f"removed by {when}"
         elif _key(current) != key:
-            params[key].reasons.append(f"replaced by {when}")
-    known = set(before)
-    tensors = [*now.items(), *model.named_buffers(remove_duplicate=False)]
-    return sorted(n for n, t in tensors if n not in known and not t.is_meta)
+            why = f"replaced by {when}"
+        if why is not None and post:
+            params[key].post.append(("replaces", why))
+        elif why is not None:
+            params[key].reasons.append(why)
+    return sorted(n for n, t in now.items() if n not in before and not t.is_meta)
 
 
 def _report(params: dict[int, _Param], sources, read: set[str], created, post_error) -> TraceReport:
+    # Buffers nothing loads into are the model's business, neither planned nor copied.
+    params = {k: p for k, p in params.items() if not p.buffer or p.copies or p.fills}
     report = TraceReport(
         plan=None,
         param_bytes={p.name: p.param.numel() * p.param.itemsize for p in params.values()},
@@ -506,6 +539,9 @@ def _report(params: dict[int, _Param], sources, read: set[str], created, post_er
             continue
         if summary.incomplete:
             report.incomplete.append(p.name)
+        if p.post:
+            how = "writes" if any(h == "writes" for h, _ in p.post) else "replaces"
+            report.post_processed[p.name] = (how, "; ".join(dict.fromkeys(w for _, w in p.post)))
         ok.append(p)
     if ok:
         report.plan = LoadPlan(

@@ -116,12 +116,12 @@ def test_post_processing_must_leave_parameters_alone() -> None:
         model.layers[0].extra = torch.zeros(3)  # a real tensor it creates
 
     report = traced_with(harmless)
-    assert report.copied == {} and report.post_error is None
+    assert report.copied == {} and report.post_processed == {} and report.post_error is None
 
     def copies_onto_itself(model):  # vLLM's MoE "padding" without padding: torch's copy_
         model.norm.data.copy_(model.norm.data)  # of a tensor onto itself writes nothing
 
-    assert traced_with(copies_onto_itself).copied == {}
+    assert traced_with(copies_onto_itself).post_processed == {}
 
     def transposes(model):
         layer = model.layers[0]
@@ -134,8 +134,15 @@ def test_post_processing_must_leave_parameters_alone() -> None:
         if model.norm.sum() > 0:  # cannot run on meta
             pass
 
-    assert traced_with(transposes).copied == {"layers.0.o_proj": "replaced by post-processing"}
-    assert traced_with(scales).copied == {"norm": "post-processing writes it (aten.mul_.Tensor)"}
+    transposed = traced_with(transposes)
+    assert transposed.copied == {}  # loading is planned; the engine then holds its own
+    assert transposed.post_processed == {
+        "layers.0.o_proj": ("replaces", "replaced by post-processing")
+    }
+    assert traced_with(scales).post_processed == {
+        "norm": ("writes", "post-processing writes it (aten.mul_.Tensor)")
+    }
+    assert traced_with(scales).copied_bytes == H * 2
     failed = traced_with(needs_values)
     assert failed.post_error is not None and "meta" in failed.post_error
 

@@ -1,0 +1,199 @@
+"""Issue 24 on a GPU, an engine-free replay: the engines' own layouts executed by the daemon.
+
+The engines' wheels cannot be carried to the GPU machine, so no engine runs
+here. What runs instead: load plans that the pinned vLLM recorded on a CPU
+from its own model classes and weight loaders (``tools.plan_fixtures``,
+committed under tests/fixtures/plans/: Llama-3-8B and Qwen1.5-MoE-A2.7B
+shapes, bf16) are executed by a real daemon over ``vmm_fd`` from a
+checkpoint of random bytes written with safetensors at the recorded names
+and shapes. A fresh engine-like process (``tests.gpu.replay_engine``) maps
+every parameter by name; attaching allocates nothing (torch's allocator
+unchanged, the device's free memory unchanged but for the driver's page
+tables of the new mapping); every mapped parameter equals, bit for bit, a reference
+that process builds in its own memory by executing the same plan with plain
+torch ops.
+
+The build is repeated on fresh daemons (``BUILDS``) for the time the daemon
+takes to build the layout from its checkpoint layout (its own
+``LayoutStatus.seconds``: allocation, device copies, export), written with the
+machine to ``$WEIGHTCACHE_RESULTS_DIR/engine_free_replay_<model>.json``;
+nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu.conftest import start_daemon
+from tools.plan_fixtures import Fixture, fixture_paths, read_fixture
+from weightcache.checkpoint import cache_config, dtype_from_name, read_checkpoint
+from weightcache.client import attach_layout, daemon_status
+from weightcache.daemon.manifest import manifest_path
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+BUILDS = 3
+PAGE_TABLE_PIECE = 2 << 20
+SHARD_BYTES = 4 << 30  # checkpoint files of about 4 GiB, as published checkpoints are cut
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_random_checkpoint(fixture: Fixture, out: Path, seed: int = 0) -> int:
+    """The fixture's checkpoint table as safetensors files of random bytes (made on the GPU,
+    one file at a time); returns the bytes written."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    shards: list[list[tuple[str, str, list[int]]]] = [[]]
+    size = 0
+    for entry in fixture.checkpoint:
+        nbytes = dtype_from_name(entry[1]).itemsize * _numel(entry[2])
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    total = 0
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for tensor, dtype_name, shape in shard:
+            dtype = dtype_from_name(dtype_name)
+            raw = torch.randint(0, 256, (_numel(shape) * dtype.itemsize,), dtype=torch.uint8,
+                                device="cuda", generator=generator)  # fmt: skip
+            tensors[tensor] = raw.view(dtype).view(shape).cpu()
+            weight_map[tensor] = name
+            total += raw.numel()
+        save_file(tensors, str(out / name))
+        del tensors
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def build_once(model_dir: Path, fixture: Fixture, run: Path) -> tuple[dict, object]:
+    """A fresh daemon on ``model_dir``; a first engine asks for the fixture's layout (the daemon
+    builds it); returns the layout's status once the daemon has settled, and the daemon."""
+    daemon = start_daemon(run, model_dir, "--transport", "vmm_fd", socket_path=str(run / "d.sock"))
+    config = cache_config(read_checkpoint(model_dir), torch.device("cuda", 0))
+    first = attach_layout(daemon.socket_path, config, fixture.plan, ["vmm_fd"], wait_ready=600)
+    first.close()
+    del first
+    gc.collect()
+    # Settled: the checkpoint layout dropped, only the engine layout held, and its manifest
+    # written (the digest's GPU temporaries returned), so nothing moves the device's free
+    # memory while the engine measures it.
+    manifest = Path(manifest_path(daemon.socket_path, fixture.plan_hash))
+    deadline = time.monotonic() + 120
+    while True:
+        status = daemon_status(daemon.socket_path)
+        if [lay.plan for lay in status.layouts] == [fixture.plan_hash] and manifest.exists():
+            break
+        assert time.monotonic() < deadline, f"daemon did not settle: {status.layouts}"
+        time.sleep(0.1)
+    (layout,) = status.layouts
+    assert layout.state == "ready" and layout.source == "resident"
+    return {"seconds": layout.seconds, "bytes": layout.bytes,
+            "expected_bytes": layout.expected_bytes, "source": layout.source,
+            "preloaded_weights_bytes": status.preloaded_weights_bytes,
+            "checkpoint_load_seconds": status.load_seconds}, daemon  # fmt: skip
+
+
+@pytest.mark.parametrize("path", fixture_paths(), ids=lambda p: p.stem)
+def test_engine_free_replay_maps_every_parameter_bit_equal_with_no_extra_memory(path: Path):
+    fixture = read_fixture(path)
+    # Short paths: a socket address has 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="wcr", dir="/tmp"))
+    data = Path(os.environ.get("WEIGHTCACHE_REPLAY_DIR", root))
+    model_dir = data / f"ckpt-{fixture.model}"
+    try:
+        started = time.perf_counter()
+        written = write_random_checkpoint(fixture, model_dir)
+        write_s = time.perf_counter() - started
+        builds = []
+        for i in range(BUILDS):
+            run = root / f"r{i}"
+            run.mkdir()
+            build, daemon = build_once(model_dir, fixture, run)
+            builds.append(build)
+            if i < BUILDS - 1:
+                daemon.stop()
+        try:
+            out = root / "engine.json"
+            engine = subprocess.run(
+                [sys.executable, "-m", "tests.gpu.replay_engine", str(path), str(model_dir),
+                 daemon.socket_path, str(out)],
+                cwd=REPO, capture_output=True, text=True, timeout=900,
+            )  # fmt: skip
+            assert engine.returncode == 0, engine.stdout[-3000:] + engine.stderr[-3000:]
+            seen = json.loads(out.read_text())
+        finally:
+            daemon.stop()
+        figures = {
+            "what": "engine-free replay: a plan recorded from the pinned engine on CPU, "
+            "executed by the daemon over vmm_fd on this GPU; no engine ran here",
+            "engine_that_recorded_the_plan": fixture.engine,
+            "model": fixture.model,
+            "plan_hash": fixture.plan_hash,
+            "params": len(fixture.plan.params),
+            "copies": len(fixture.plan.copies),
+            "checkpoint_bytes": written,
+            "checkpoint_write_seconds": write_s,
+            "layout_builds": builds,
+            "engine": seen,
+        }
+        _record(fixture.model, figures)
+        # Every parameter of the engine's table, mapped by name (and by each of its other
+        # names: vLLM registers a shared expert twice) from the daemon's memory.
+        names = sum(1 + len(p.aliases) for p in fixture.plan.params)
+        assert seen["names_mapped"] == names and seen["params"] == len(fixture.plan.params)
+        assert seen["params_in_daemon_memory"] == seen["params"]
+        assert seen["mapped_bytes"] == fixture.planned_bytes == builds[-1]["expected_bytes"]
+        assert seen["transport"] == "vmm_fd" and seen["plan_hash"] == fixture.plan_hash
+        # Attaching allocates nothing: the engine's weights are the daemon's memory. torch's
+        # allocator holds what it held; the device's free memory moves only by the driver's
+        # page tables for the new mapping, taken in 2 MiB pieces (on the H200: none for
+        # Llama-3-8B's 16 GB, one piece for Qwen1.5-MoE's 28.6 GB; a second mapping of the
+        # same layout costs the same and gives it back when closed: benchmarks/results).
+        assert seen["torch_reserved_after"] == seen["torch_reserved_before"]
+        assert 0 <= seen["free_before"] - seen["free_after"] <= PAGE_TABLE_PIECE
+        # And they are the bytes the plan says, executed independently with plain torch ops.
+        assert seen["differ"] == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _record(model: str, figures: dict) -> None:
+    out = os.environ.get("WEIGHTCACHE_RESULTS_DIR")
+    if not out:
+        print(json.dumps(figures, indent=1))
+        return
+    from benchmarks.machine import describe
+
+    figures = {"machine": describe(out), "date": time.strftime("%Y-%m-%d"), **figures}
+    Path(out, f"engine_free_replay_{model}.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures, indent=1))
