@@ -35,6 +35,7 @@ INVALID_SPEC = "InvalidSpec"
 RENDER_FAILED = "RenderFailed"
 POLICY_VIOLATION = "PolicyViolation"
 DAEMON_ERROR = "DaemonError"
+DAEMON_WARNING = "DaemonWarning"
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ def build_status(
     status = {k: v for k, v in status.items() if v is not None}
     if previous is None:
         previous = listed_nodes(old_status)
-    events = node_events(previous, verdicts) + _phase_events(old_status, status)
+    events = (node_events(previous, verdicts) + warning_events(old_status, shown)
+              + _phase_events(old_status, status))
     return Aggregate(status, dict(verdicts), events)
 
 
@@ -363,6 +365,30 @@ def node_events(
             names_ = name_some([node for node, _ in hits])
             events.append(Event(type_, reason, f"{len(hits)} nodes: {names_}"))
     return events
+
+
+def _ready_gpu_messages(nodes: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], str]:
+    return {
+        (node["name"], gpu["id"]): gpu["message"]
+        for node in nodes if isinstance(node, Mapping) and "name" in node
+        for gpu in node.get("gpus") or [] if isinstance(gpu, Mapping)
+        and gpu.get("state") == "Ready" and gpu.get("message")
+    }
+
+
+def warning_events(old: Mapping[str, Any], shown: list[dict[str, Any]]) -> list[Event]:
+    """A Warning per GPU of a listed node whose daemon serves but reports a problem that
+    costs its successor (e.g. its manifest not written), when that message is new.
+
+    Only listed nodes count, so a message is compared with the one the previous
+    status listed and never repeats; at most MAX_NAMED_NODES events per write.
+    """
+    before = _ready_gpu_messages(old.get("nodes") or [])
+    events = []
+    for (node, gpu), message in sorted(_ready_gpu_messages(shown).items()):
+        if before.get((node, gpu)) != message:
+            events.append(Event("Warning", DAEMON_WARNING, f"{node}: {gpu}: {message}"))
+    return events[:MAX_NAMED_NODES]
 
 
 def _phase_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Event]:

@@ -222,6 +222,9 @@ class DaemonStatus(msgspec.Struct):
     seeded_from: str | None = None
     # Every layout held or being built; the byte counts above sum the ready ones.
     layouts: list[LayoutStatus] = []
+    # What went wrong that costs only a successor, while this daemon serves: e.g. its
+    # manifest could not be written (a full filesystem), so a restart reloads from disk.
+    warning: str | None = None
 
 
 class PingReply(_ReplyMessage, tag="ping_reply"):

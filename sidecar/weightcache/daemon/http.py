@@ -37,7 +37,7 @@ from weightcache.protocol import DaemonStatus
 log = logging.getLogger(__name__)
 
 # Free text and paths: kept off the network-facing /status.
-PRIVATE_STATUS_FIELDS = ("socket", "error", "load_reason")
+PRIVATE_STATUS_FIELDS = ("socket", "error", "load_reason", "warning")
 
 
 @dataclass(frozen=True)

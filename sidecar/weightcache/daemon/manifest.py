@@ -363,18 +363,26 @@ def _read_private_file(directory: int, name: str, path: str) -> bytes:
         ) from None
     except OSError as exc:
         raise ManifestError(f"cannot open manifest {path}: {exc.strerror}") from None
+    # Checked on the fd before wrapping it: a directory there made fdopen raise
+    # IsADirectoryError, which stopped the daemon instead of sending it to the disk.
+    problem = _file_problem(os.fstat(fd), path)
+    if problem is not None:
+        os.close(fd)
+        raise ManifestError(problem)
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ManifestError(f"manifest {path} is not a regular file")
-        if info.st_uid != os.getuid():
-            raise ManifestError(f"manifest {path} is owned by uid {info.st_uid}, not this daemon's")
-        if stat.S_IMODE(info.st_mode) & 0o077:
-            raise ManifestError(
-                f"manifest {path} has mode {stat.S_IMODE(info.st_mode):04o}: others may "
-                "have read its key; it must be 0600"
-            )
         return f.read()
+
+
+def _file_problem(info: os.stat_result, path: str) -> str | None:
+    """Why the file is no manifest of ours: not regular, another owner, open to others."""
+    if not stat.S_ISREG(info.st_mode):
+        return f"manifest {path} is not a regular file"
+    if info.st_uid != os.getuid():
+        return f"manifest {path} is owned by uid {info.st_uid}, not this daemon's"
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        return (f"manifest {path} has mode {stat.S_IMODE(info.st_mode):04o}: others may "
+                "have read its key; it must be 0600")
+    return None
 
 
 def stale_reason(
@@ -418,6 +426,12 @@ def save_manifest(socket_path: str, gpu: str, resident: ResidentWeights) -> str 
         )
         write_manifest(path, manifest)
     except (OSError, RuntimeError, ValueError) as exc:
-        log.error("manifest %s not written (a restart will reload from disk): %s", path, exc)
+        resident.manifest_error = not_written(path, exc)
+        log.error("%s", resident.manifest_error)
         return None
     return path
+
+
+def not_written(path: str, exc: BaseException) -> str:
+    """The warning a daemon shows when its successor will find no manifest."""
+    return f"manifest {path} not written (a restart will reload from disk): {exc}"

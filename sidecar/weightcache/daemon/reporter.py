@@ -66,7 +66,8 @@ def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str) -> 
         fingerprint=status.fingerprint or "",
         load_seconds=status.load_seconds,
         readopted=status.readopted,
-        message=(status.error or "")[:MAX_MESSAGE_CHARS],
+        # An error, or else a warning of a ready daemon (the operator posts it as an event).
+        message=(status.error or status.warning or "")[:MAX_MESSAGE_CHARS],
         load_source=status.load_source or "",
         seeded_from=status.seeded_from or "",
         reported_at=now,

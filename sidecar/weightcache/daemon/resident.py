@@ -29,6 +29,9 @@ class ResidentWeights:
     load_source: str  # disk | readopted | peer
     # load_source "peer": the GPU (UUID, or "cpu") the weights were copied from.
     seeded_from: str | None = None
+    # Why no manifest describes these weights (set by whoever failed to write it): a
+    # restarted daemon cannot re-adopt them and reloads.
+    manifest_error: str | None = None
 
     @property
     def transport(self) -> str:

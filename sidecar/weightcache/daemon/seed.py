@@ -64,6 +64,7 @@ from weightcache.daemon.manifest import (
     algorithm_for,
     digests_under,
     manifest_path,
+    not_written,
     read_manifest,
     save_manifest,
     write_manifest,
@@ -428,7 +429,8 @@ def _save_own_manifest(
     try:
         write_manifest(path, manifest)
     except (OSError, RuntimeError, ValueError) as exc:
-        log.error("manifest %s not written (a restart will reload): %s", path, exc)
+        resident.manifest_error = not_written(path, exc)
+        log.error("%s", resident.manifest_error)
 
 
 # --------------------------------------------------------------------------- coordination

@@ -99,6 +99,7 @@ class Daemon:
             error=self._error,
             load_reason=self._load_reason,
             layouts=h.statuses() if h else [],
+            warning=r.manifest_error if r else None,
         )
 
     def counters(self) -> ServerCounters:

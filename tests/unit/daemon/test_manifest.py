@@ -167,9 +167,16 @@ def _dir_of_another_uid(tmp_path) -> tuple[str, str]:
     return str(tmp_path / ".daemon" / "m"), "is owned by uid 65534, not this daemon's"
 
 
+def _a_directory(tmp_path) -> tuple[str, str]:
+    # Once raised IsADirectoryError from fdopen, and the daemon stopped instead of reloading.
+    (tmp_path / ".daemon" / "m" / "in-the-way").mkdir(parents=True)
+    return str(tmp_path / ".daemon" / "m"), "is not a regular file"
+
+
 @pytest.mark.parametrize(
     "arrange",
-    [_readable_by_group, _a_symlink, _dir_a_symlink, _dir_open_to_group, _dir_of_another_uid],
+    [_readable_by_group, _a_symlink, _dir_a_symlink, _dir_open_to_group, _dir_of_another_uid,
+     _a_directory],
 )
 def test_a_manifest_others_could_touch_is_refused(tmp_path, arrange) -> None:
     if os.getuid() != 0 and arrange is _dir_of_another_uid:

@@ -53,6 +53,11 @@ def test_report_of_a_status() -> None:
     assert (loading.state, loading.fingerprint, loading.transport) == ("Loading", "", "")
     failed = reporter.device_report(status(state="error", error="x" * 5000), HASH, "n", NOW)
     assert failed.state == "Error" and len(failed.message) == MAX_MESSAGE_CHARS
+    # A serving daemon's warning travels in the message; an error wins over it.
+    warned = reporter.device_report(status(warning="manifest not written"), HASH, "n", NOW)
+    assert (warned.state, warned.message) == ("Ready", "manifest not written")
+    both = reporter.device_report(status(state="error", error="e", warning="w"), HASH, "n", NOW)
+    assert both.message == "e"
 
 
 def test_the_report_says_where_the_weights_came_from() -> None:

@@ -172,6 +172,32 @@ def test_a_checkpoint_that_cannot_load_is_reported_and_exits_1(tmp_path, caplog)
     assert not os.path.exists(sock)
 
 
+def test_a_manifest_that_cannot_be_written_is_a_warning_and_serving_goes_on(
+    daemons, minilm_dir, minilm_reference
+) -> None:
+    """The manifest's place taken (here by a directory; on the real node, a full
+    filesystem): the daemon serves, and its status says what its successor will miss."""
+    workdir = daemons.workdir()
+    (workdir / "d" / ".daemon" / "cpu.sock.manifest" / "in-the-way").mkdir(parents=True)
+    os.chmod(workdir / "d" / ".daemon", 0o700)
+    daemon = daemons(minilm_dir, "--transport", "memfd", workdir=workdir)
+    status = daemon.status()
+    assert status.state == "ready" and status.load_source == "disk"
+    assert status.warning is not None
+    assert status.warning.startswith(
+        f"manifest {workdir}/d/.daemon/cpu.sock.manifest not written (a restart will reload "
+        "from disk): ")
+    assert status.warning in daemon.log()
+    # Not on the network-facing HTTP status (free text and paths).
+    assert "warning" not in json.loads(daemon.http("/status")[2])
+    attached = attach(daemon.socket, transports=["memfd"])
+    try:
+        for name, tensor in minilm_reference.items():
+            assert torch.equal(attached.tensors[name], tensor), name
+    finally:
+        attached.close()
+
+
 # ----------------------------------------------------------------------------- SIGTERM
 
 

@@ -236,6 +236,29 @@ def test_transition_times_and_events(
     assert ("Warning", gate.DAEMON_NOT_READY) in [(e.type, e.reason) for e in reloading.events]
 
 
+def test_a_serving_daemons_warning_is_posted_once(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    """A daemon that serves but could not write its manifest (its filesystem full) says so
+    in its report; the operator posts it as a Warning once, and again only when it changes."""
+    quiet = build(gpu_spec, gpu_hash, [make_pod()], daemonset=ds(1))
+    warning = "manifest /run/wc/ns.wc/.daemon/x.manifest not written: [Errno 28] No space"
+    warned = build(gpu_spec, gpu_hash, [make_pod(message=warning)], daemonset=ds(1),
+                   old=quiet.status, now=T1)
+    assert [(e.type, e.reason, e.message) for e in warned.events] == [
+        ("Warning", aggregate.DAEMON_WARNING, f"node-a: GPU-{i}: {warning}") for i in (0, 1)]
+    assert warned.status["phase"] == "Ready"  # serving: the gate and phase are unchanged
+    assert warned.status["nodes"][0]["gpus"][0]["message"] == warning
+    again = build(gpu_spec, gpu_hash, [make_pod(message=warning)], daemonset=ds(1),
+                  old=warned.status, now=T1)
+    assert again.events == []
+    other = build(gpu_spec, gpu_hash, [make_pod(message=warning + "!")], daemonset=ds(1),
+                  old=warned.status, now=T1)
+    assert [e.reason for e in other.events] == [aggregate.DAEMON_WARNING] * 2
+    cleared = build(gpu_spec, gpu_hash, [make_pod()], daemonset=ds(1), old=warned.status, now=T1)
+    assert cleared.events == []
+
+
 def test_node_list_is_capped_keeping_unready_nodes(
     gpu_spec: WeightCacheSpec,
     gpu_hash: str,
