@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from weightcache.checkpoint import cache_config, read_checkpoint
-from weightcache.daemon import digest_cuda, health
+from weightcache.daemon import digest_cuda, faults, health
 from weightcache.daemon.http import start_http_server
 from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS, Holdings
 from weightcache.daemon.lock import DeviceLock, lock_path
@@ -195,6 +195,7 @@ class Daemon:
                 opts.shard,
                 opts.revision,
             )
+            faults.watch(opts.socket_path, self._stop)  # until the finally below
             digest_cuda.warm_up_async(opts.device)  # both re-adoption and seeding digest
             self._progress.mark("re-adopting")
             readoption = try_readopt(
@@ -251,6 +252,7 @@ class Daemon:
             self._set_state("error", f"load failed: {exc}")
             code = 1
         finally:
+            self._stop.set()  # ends the fault-injection watcher too
             if obtained is not None:
                 obtained.release()
             drained = self._server.stop(opts.drain_seconds)
