@@ -187,6 +187,9 @@ class AttachedWeights:
     socket_path: str | None
     # The daemon's uid, checked (SO_PEERCRED) before anything was mapped.
     daemon_uid: int | None = None
+    # Why this engine does not offer its fds to a restarting daemon (None: it does, or the
+    # transport keeps none); the daemon cannot see it, so engines should say it.
+    handback_error: str | None = None
     _memory: ImportedMemory | None = field(default=None, repr=False)
     _watchdog: DaemonWatchdog | None = field(default=None, repr=False)
     _handback: HandbackServer | None = field(default=None, repr=False)
@@ -526,7 +529,7 @@ def _attach(
         attached._watchdog = DaemonWatchdog(attached, watchdog_interval, on_daemon_death)
     if handback and backend.keeps_fds and memory.fds:
         sizes = reply.layout.allocation_sizes
-        attached._handback = offer_handback(
+        attached._handback, attached.handback_error = offer_handback(
             socket_path,
             reply.fingerprint,
             sizes,

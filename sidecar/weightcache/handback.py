@@ -152,17 +152,16 @@ def offer_handback(
     allocation_sizes: list[int],
     fds: list[int],
     policy: PeerPolicy | None = None,
-) -> HandbackServer | None:
-    """A :class:`HandbackServer`, or None (logged) where the engines directory is unusable.
+) -> tuple[HandbackServer | None, str | None]:
+    """A :class:`HandbackServer`, or None and why not (logged) where the engines directory
+    is unusable or its filesystem full.
 
     Attaching must not fail because a future daemon restart would be slower.
     """
     try:
-        return HandbackServer(daemon_socket_path, fingerprint, allocation_sizes, fds, policy)
+        return HandbackServer(daemon_socket_path, fingerprint, allocation_sizes, fds, policy), None
     except (OSError, ValueError) as exc:
-        log.warning(
-            "weights attached, but cannot offer them back to a restarting daemon "
-            "(it will reload from disk): %s",
-            exc,
-        )
-        return None
+        why = ("cannot offer the weights back to a restarting daemon "
+               f"(it will reload from disk): {exc}")
+        log.warning("weights attached, but %s", why)
+        return None, why

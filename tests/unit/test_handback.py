@@ -143,9 +143,11 @@ def test_an_unusable_engines_dir_only_costs_the_handback(socket_dir, memfds, cap
     if kind == "a file":
         (socket_dir / "engines").write_text("not a directory")
     with caplog.at_level(logging.WARNING):
-        offered = offer_handback(str(socket_dir / "gpu-A.sock"), FINGERPRINT, [4096], memfds[:1])
+        offered, why = offer_handback(str(socket_dir / "gpu-A.sock"), FINGERPRINT, [4096],
+                                      memfds[:1])
     assert offered is None
-    assert "cannot offer them back" in caplog.text
+    assert why is not None and why.startswith("cannot offer the weights back")
+    assert why in caplog.text
     # An engine never creates the directory: only the daemon sets its owner and mode.
     engines = socket_dir / "engines"
     assert engines.is_file() if kind == "a file" else not engines.exists()
