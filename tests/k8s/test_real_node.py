@@ -171,7 +171,10 @@ def leftovers(layout: nodeconfig.Layout, sysctls_before: dict[str, str]) -> list
             continue
         if layout.run in cmdline or layout.cgroup in cgroup:
             found.append(f"process {entry.name}: {cmdline[:120]}")
-    found += [f"mount {m}" for m in nodeclean.mounts_under(layout.run, layout.store)]
+    found += [f"mount {m}" for m in nodeclean.mounts_under(layout.run, layout.store,
+                                                           layout.socket_root)]
+    if Path(layout.socket_root).exists():
+        found.append(f"socket root {layout.socket_root}")
     found += [f"cgroup {h / layout.cgroup}" for h in cgroups.hierarchies()
               if (h / layout.cgroup).exists()]
     if layout.netns.exists():

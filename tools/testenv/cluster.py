@@ -397,10 +397,11 @@ class Cluster:
         return review["status"]["token"]
 
     def service_account_kubeconfig(
-        self, namespace: str, service_account: str, path: Path | None = None
+        self, namespace: str, service_account: str, path: Path | None = None,
+        expiration_seconds: int = 3600,
     ) -> Path:
         """Write a kubeconfig that authenticates as system:serviceaccount:<namespace>:<name>."""
-        token = self.mint_token(namespace, service_account)
+        token = self.mint_token(namespace, service_account, expiration_seconds)
         path = path or self.run_dir / f"sa-{namespace}-{service_account}.kubeconfig"
         config = kubeconfig.render(self.server, self.ca.read_bytes(), kubeconfig.token_user(token))
         return kubeconfig.write(path, config)

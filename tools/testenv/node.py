@@ -17,6 +17,10 @@ same time gets a private root and imports what it needs.
 Teardown (stop(), a guard process if the owner is SIGKILLed, or `testenv
 down`) leaves no kubelet, containerd, shim or container process, no mount,
 no namespace, no cgroup, no changed sysctl, and no container in the store.
+
+For fault tests, kubelet and containerd can each be stopped and started
+again, and the whole node restarted from its state on disk (`restart()`);
+pods' sockets may live on `socket_root`, a small tmpfs of the node's own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,9 +45,11 @@ from tools.testenv.apiclient import ApiClient, ApiError
 from tools.testenv.nodeclean import (
     CONTAINER_LOG_LINKS,
     SHIM_SOCKET_DIR,
+    remove_dead_shim_sockets,
     run_ctr,
     scrub_store,
     teardown,
+    unmount_all,
     write_state,
 )
 from tools.testenv.nodeconfig import (
@@ -51,6 +58,7 @@ from tools.testenv.nodeconfig import (
     KUBELET_SYSCTLS,
     NODE_IP,
     POD_SUBNET,
+    SOCKET_ROOT_OPTIONS,
     Layout,
     cni_config,
     containerd_config,
@@ -62,6 +70,7 @@ from tools.testenv.nodeconfig import (
 from tools.testenv.procs import ProcessGroup
 
 STORE_SLOTS = 2
+KUBELET_HEALTHZ_PORT = 10248  # kubelet's default, on healthzBindAddress (127.0.0.1)
 
 Log = Callable[[str], None]
 
@@ -153,7 +162,10 @@ class RealNode:
         self.log = log
         self.group = ProcessGroup()
         self.sockets = Path("/tmp", f"wc-node-{os.getpid()}-{os.urandom(3).hex()}")
+        # Short (pods' socket paths start with it), a tmpfs of its own (see nodeconfig).
+        self.socket_root = Path("/tmp", f"wc-sroot-{os.getpid()}-{os.urandom(3).hex()}")
         self.layout: Layout | None = None
+        self._api: ApiClient | None = None
         self._store_lock: int | None = None
         self._guard: subprocess.Popen[bytes] | None = None
         self._guard_pipe: int | None = None
@@ -183,12 +195,17 @@ class RealNode:
             run=str(self.run_dir), store=str(store), name=self.name,
             cgroup=f"weightcache-testenv-{os.getpid()}-{os.urandom(3).hex()}",
             cluster_ip=self.cluster_ip, sockets=str(self.sockets),
+            socket_root=str(self.socket_root),
         )
+        self._api = api
         record: dict[str, Any] = {"layout": asdict(layout), "sysctls": {},
                                   "created_dirs": []}
         write_state(layout, record)
         self._start_guard(layout)
         self.sockets.mkdir(mode=0o700, exist_ok=True)
+        self.socket_root.mkdir(mode=0o755, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", SOCKET_ROOT_OPTIONS, "tmpfs",
+                        str(self.socket_root)], check=True, capture_output=True)
         if layout.dirty_marker.exists():
             self.log(f"testenv: {store} was left dirty by an earlier run; scrubbing it")
             scrub_store(layout)
@@ -266,8 +283,74 @@ class RealNode:
              *kubelet_args(layout, kubelet_yaml, node_kubeconfig)],
             logs / "kubelet.log", before_exec=join,
         )
+        self._wait_node_ready(timeout)
+
+    # -- faults: a platform team's restarts, for the tests ----------------------------
+
+    def stop_kubelet(self, sig: int = signal.SIGTERM) -> int:
+        """Stop kubelet alone (containers, shims and containerd keep running); its status."""
+        return self.group.stop_one("kubelet", sig)
+
+    def start_kubelet(self, timeout: float = 180.0) -> None:
+        """Start kubelet again on the same configuration and root directory; wait for Ready."""
+        self.group.respawn("kubelet")
+        self._wait_node_ready(timeout)
+
+    def stop_containerd(self, sig: int = signal.SIGTERM) -> int:
+        """Stop containerd alone (the shims keep the containers running); its status."""
+        return self.group.stop_one("containerd", sig)
+
+    def start_containerd(self, timeout: float = 180.0) -> None:
+        """Start containerd again on the same root, state and configuration; it takes the
+        running containers back through their shims."""
+        self.group.respawn("containerd")
+        self._wait("containerd", time.monotonic() + timeout,
+                   lambda: self.ctr("version", check=False).returncode == 0)
+
+    def restart(self, down_seconds: float = 0.0, timeout: float = 300.0) -> None:
+        """The whole node restarted from its state on disk, as after a power cut.
+
+        Every process of the node (kubelet, containerd, the shims, every container) is
+        SIGKILLed at once; everything that would not survive a reboot goes: the node's
+        mounts (containers' root filesystems, pod volumes, pod network namespaces),
+        containerd's and runc's runtime state and the cgroups. Then, after
+        `down_seconds`, containerd and kubelet start again on the same image store,
+        kubelet root directory and configuration, and kubelet restarts the node's pods.
+        What a machine's disk and network keep stays: the store, kubelet's directory,
+        CNI's address leases, the socket root, the node's network namespace and the
+        bridge to the API server.
+        """
+        assert self.layout is not None
+        layout = self.layout
+        stuck = cgroups.kill_all(layout.cgroup)
+        if stuck:
+            raise RuntimeError(f"testenv: node processes that would not die: {sorted(stuck)}")
+        for name in ("kubelet", "containerd"):
+            self.group.stop_one(name, signal.SIGKILL)
+        left = unmount_all(layout.run, layout.store, keep=(str(layout.netns),))
+        if left:
+            raise RuntimeError(f"testenv: mounts of the node left after its restart: {left}")
+        for volatile in (layout.containerd_state, layout.runc_root):
+            shutil.rmtree(volatile, ignore_errors=True)
+        for sock in (layout.containerd_socket, Path(f"{layout.containerd_socket}.ttrpc")):
+            sock.unlink(missing_ok=True)
+        remove_dead_shim_sockets()
+        left_cgroups = cgroups.remove(layout.cgroup)
+        if left_cgroups:
+            raise RuntimeError(f"testenv: cgroups left after the restart: {left_cgroups}")
+        cgroups.create(layout.cgroup)
+        time.sleep(down_seconds)
+        self.start_containerd(timeout)
+        self.start_kubelet(timeout)
+
+    def _wait_node_ready(self, timeout: float) -> None:
+        """kubelet answering its health check, and the node Ready (after a quick restart
+        the node may never have stopped being Ready)."""
+        assert self._api is not None and self.layout is not None
+        api, netns_path = self._api, self.layout.netns
         self._wait(f"node {self.name} Ready (kubelet)", time.monotonic() + timeout,
-                   lambda: _node_ready(api, self.name))
+                   lambda: _listening_in(netns_path, "127.0.0.1", KUBELET_HEALTHZ_PORT)
+                   and _node_ready(api, self.name))
 
     def _wait(self, what: str, deadline: float, check: Callable[[], Any]) -> None:
         self.group.wait_for(what, deadline, check, (OSError, ApiError, KeyError, ValueError))

@@ -58,15 +58,19 @@ def mounts_under(*roots: str, mountinfo: str | None = None) -> list[str]:
     return sorted(points, key=lambda p: -p.count("/"))
 
 
-def unmount_all(*roots: str) -> list[str]:
-    """Unmount everything below the roots (stacked mounts included); return what is left."""
+def unmount_all(*roots: str, keep: Sequence[str] = ()) -> list[str]:
+    """Unmount everything below the roots (stacked mounts included) but the mount points in
+    `keep`; return what is left."""
+
+    def points() -> list[str]:
+        return [p for p in mounts_under(*roots) if p not in keep]
+
     for _ in range(10):
-        points = mounts_under(*roots)
-        if not points:
+        if not points():
             break
-        for point in points:
+        for point in points():
             netns.umount(point)
-    return mounts_under(*roots)
+    return points()
 
 
 @contextlib.contextmanager
@@ -129,6 +133,15 @@ def _dead_socket(path: Path) -> bool:
     return False
 
 
+def remove_dead_shim_sockets() -> None:
+    """Shim sockets nobody listens on (a node's, once its shims are dead; the directory is
+    shared with any other node on the machine, whose live sockets stay)."""
+    if SHIM_SOCKET_DIR.is_dir():
+        for sock in SHIM_SOCKET_DIR.iterdir():
+            if sock.is_socket() and _dead_socket(sock):
+                sock.unlink(missing_ok=True)
+
+
 def teardown(state_file: Path) -> list[str]:
     """Undo everything a node recorded in its state file; return what could not be undone."""
     if not state_file.exists():
@@ -141,6 +154,10 @@ def teardown(state_file: Path) -> list[str]:
     if stuck:
         problems.append(f"processes that would not die: {sorted(stuck)}")
     left = unmount_all(layout.run, layout.store)
+    if layout.socket_root:
+        left += unmount_all(layout.socket_root)
+        with contextlib.suppress(OSError):
+            Path(layout.socket_root).rmdir()
     if left:
         problems.append(f"mounts left: {left}")
     if not stuck and not left:
@@ -149,10 +166,7 @@ def teardown(state_file: Path) -> list[str]:
         except (OSError, RuntimeError) as e:
             problems.append(str(e))
     problems += [f"cgroup left: {d}" for d in cgroups.remove(layout.cgroup)]
-    if SHIM_SOCKET_DIR.is_dir():
-        for sock in SHIM_SOCKET_DIR.iterdir():
-            if sock.is_socket() and _dead_socket(sock):
-                sock.unlink(missing_ok=True)
+    remove_dead_shim_sockets()
     if CONTAINER_LOG_LINKS.is_dir():
         for link in CONTAINER_LOG_LINKS.iterdir():
             if link.is_symlink() and os.readlink(link).startswith(str(layout.pod_logs)):

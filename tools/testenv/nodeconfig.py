@@ -18,6 +18,9 @@ NODE_IP = "10.250.0.1"
 # Real pods' addresses (kwok's fake ones come from 10.244.0.0/16).
 POD_SUBNET = "10.245.0.0/24"
 DEFAULT_NAME = "real-0"
+# The socket root's tmpfs: room for many caches' sockets and manifests, little enough to
+# fill in a moment (blocks and inodes).
+SOCKET_ROOT_OPTIONS = "size=16m,nr_inodes=2048,mode=0755"
 KUBELET_PORT = 10250
 API_SERVICE_PORT = 443
 CNI_BIN_DIR = "/usr/lib/cni"
@@ -48,6 +51,9 @@ class Layout:
     # Unix sockets (containerd's, the bridge's) need a path under 104 bytes, which a
     # test's tmp directory may not give: a short directory of their own under /tmp.
     sockets: str
+    # A small tmpfs of the node's own for pods' sockets (a WeightCache's socketDir): small,
+    # so a test can fill it. Empty in state files written before it existed.
+    socket_root: str = ""
 
     def path(self, *parts: str) -> Path:
         return Path(self.run, *parts)

@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,6 +47,8 @@ class ProcessGroup:
         self.pgid: int | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
+        # How each was spawned, so that stop_one()/respawn() can restart it alike.
+        self._specs: dict[str, tuple[Any, ...]] = {}
         self._owner_pid = os.getpid()
 
     def spawn(
@@ -86,7 +89,30 @@ class ProcessGroup:
             self.pgid = proc.pid
         self.procs[name] = proc
         self.logs[name] = log
+        self._specs[name] = (argv, log, env, before_exec, cwd)
         return proc
+
+    def stop_one(self, name: str, sig: int = signal.SIGTERM, grace: float = 30.0) -> int:
+        """Signal one process, SIGKILL it after `grace`, reap it and forget it (wait_for no
+        longer watches it); its exit status. respawn(name) starts it again."""
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return proc.wait()
+
+    def respawn(self, name: str) -> subprocess.Popen[bytes]:
+        """Start `name` again as it was first spawned (after stop_one, or once it died)."""
+        if name in self.procs and self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.procs.pop(name, None)
+        if self.pgid is not None and not group_alive(self.pgid):
+            self.pgid = None  # nobody left in the group to join: the next one leads a new one
+        argv, log, env, before_exec, cwd = self._specs[name]
+        return self.spawn(name, argv, log, env=env, before_exec=before_exec, cwd=cwd)
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         path = self.logs[name]
