@@ -13,12 +13,15 @@ check against a plain load.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 GATE_CONDITION = "weightcache.dev/weights-resident"
 CACHE_LABEL = "weightcache.dev/cache"
 ENGINE_UID = 1000
+# The engine's HTTP port (GET /embed?s=<i>, /reference; examples/minilm_engine_pod.py).
+HTTP_PORT = 8080
 
 
 def engine_deployment(
@@ -34,15 +37,21 @@ def engine_deployment(
     daemon_gid: int,
     replicas: int = 1,
     uid: int = ENGINE_UID,
+    labels: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    memory_limit: str = "1536Mi",
 ) -> dict[str, Any]:
+    """`labels`: what the pods carry besides `app: <name>` (the cache's engine selector);
+    `extra_args` go to the engine's command line."""
     cache_dir = f"{namespace}.{cache}"
     host_dir = socket_root / cache_dir
     mount = f"/run/weightcache/{cache_dir}"
-    labels = {"app": name}
+    selector = {"app": name}
     pod = {
         "nodeSelector": {"kubernetes.io/hostname": node},
         "readinessGates": [{"conditionType": GATE_CONDITION}],
-        "terminationGracePeriodSeconds": 5,
+        # The engine answers for 3 s after SIGTERM (clients learn it is going), then stops.
+        "terminationGracePeriodSeconds": 15,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": uid,
@@ -54,11 +63,14 @@ def engine_deployment(
                 "name": "engine",
                 "image": image,
                 "imagePullPolicy": "Never",
-                "args": ["--model-dir", "/model", "--interval", "1", "--ready-file", "/tmp/ready"],
+                "args": ["--model-dir", "/model", "--interval", "1", "--port", str(HTTP_PORT),
+                         *extra_args],
+                "ports": [{"name": "http", "containerPort": HTTP_PORT}],
                 "env": [{"name": "WEIGHTCACHE_SOCKET", "value": f"{mount}/cpu.sock"}],
-                # Ready means attached with bit-equal outputs; the gate adds "weights verified".
+                # Ready means attached with bit-equal outputs (the engine's HTTP server starts
+                # only then); the gate adds "weights verified".
                 "readinessProbe": {
-                    "exec": {"command": ["test", "-e", "/tmp/ready"]},
+                    "httpGet": {"path": "/ready", "port": "http"},
                     "periodSeconds": 2,
                 },
                 "securityContext": {
@@ -68,7 +80,7 @@ def engine_deployment(
                 },
                 "resources": {
                     "requests": {"cpu": "100m", "memory": "256Mi"},
-                    "limits": {"memory": "1536Mi"},
+                    "limits": {"memory": memory_limit},
                 },
                 "volumeMounts": [
                     {"name": "weightcache", "mountPath": mount, "readOnly": True},
@@ -98,8 +110,11 @@ def engine_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": {**labels, "version": version}}, "spec": pod},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**(labels or {}), **selector, "version": version}},
+                "spec": pod,
+            },
         },
     }
 
@@ -123,7 +138,7 @@ def labelled_engine_deployment(
     labels = {"app": name}
     pod = {
         "nodeSelector": {"kubernetes.io/hostname": node},
-        "terminationGracePeriodSeconds": 5,
+        "terminationGracePeriodSeconds": 15,  # the engine drains 3 s, then stops
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": uid,
@@ -135,9 +150,10 @@ def labelled_engine_deployment(
                 "name": "engine",
                 "image": image,
                 "imagePullPolicy": "Never",
-                "args": ["--interval", "1", "--ready-file", "/tmp/ready"],
+                "args": ["--interval", "1", "--port", str(HTTP_PORT)],
+                "ports": [{"name": "http", "containerPort": HTTP_PORT}],
                 "readinessProbe": {
-                    "exec": {"command": ["test", "-e", "/tmp/ready"]},
+                    "httpGet": {"path": "/ready", "port": "http"},
                     "periodSeconds": 2,
                 },
                 "securityContext": {
