@@ -27,7 +27,7 @@ import yaml
 from kubernetes import client as k8s
 
 from tests.k8s.operator_flow import Api, eventually, gate_of, is_ready, minilm_dir
-from tests.k8s.test_real_pods import CACHE, ENGINE, Stack, split_ref, weightcache
+from tests.k8s.realstack import CACHE, ENGINE, Stack, split_ref, weightcache
 from tools import engine_pod
 from tools.testenv import images
 from tools.testenv.cluster import Cluster
