@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the package's declared dependencies change.
 VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv csi-stubs testenv demo demo-k8s test lint test-unit test-gpu test-engines manifests clean
+.PHONY: venv csi-stubs testenv demo demo-k8s test lint test-unit test-gpu test-engines soak manifests clean
 
 venv: $(VENV_STAMP)
 
@@ -51,6 +51,13 @@ test-engines: venv
 # Unit tests, then GPU tests (skipped without a CUDA device), then the real control plane.
 test: lint testenv test-engines
 	$(PY) -m pytest -rs tests/unit tests/gpu tests/k8s
+
+# Faults on the real node, the long way: 20 minutes of engine Deployments rolling while a
+# client sends requests to every engine pod, the daemon pod deleted twice; writes
+# benchmarks/results/polyglot-soak.json (`make test` runs a minute of it).
+soak: testenv
+	WEIGHTCACHE_SOAK_SECONDS=1200 WEIGHTCACHE_RESULTS_DIR=benchmarks/results \
+		$(PY) -m pytest -rs -s tests/k8s/test_real_faults.py -k soak
 
 test-unit: csi-stubs
 	$(PY) -m pytest -rs tests/unit
