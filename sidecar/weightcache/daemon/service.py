@@ -99,7 +99,7 @@ class Daemon:
             error=self._error,
             load_reason=self._load_reason,
             layouts=h.statuses() if h else [],
-            warning=r.manifest_error if r else None,
+            warning=_manifest_warning(h.held() if h else [r] if r else []),
         )
 
     def counters(self) -> ServerCounters:
@@ -272,3 +272,8 @@ class Daemon:
                 pass
             lock.release()
         return code
+
+
+def _manifest_warning(held: list[ResidentWeights]) -> str | None:
+    """The first layout whose manifest could not be written (its successor reloads it)."""
+    return next((r.manifest_error for r in held if r.manifest_error), None)
