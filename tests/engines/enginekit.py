@@ -108,15 +108,3 @@ def fetches(daemon) -> int:
     _, _, body = daemon.http("/metrics")
     match = re.search(rb'^weightcache_requests_total\{op="fetch_state"\} ([0-9.e+]+)$', body, re.M)
     return int(float(match.group(1))) if match else 0
-
-
-def narrowed_support(tmp_path: Path, engine: str) -> dict[str, str]:
-    """Environment under which every process of the engine treats the installed release
-    as unsupported (a sitecustomize narrowing the tested range; no production knob)."""
-    site = tmp_path / "unsupported-site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(
-        "import weightcache.integrations.versions as versions\n"
-        f"versions.SUPPORTED[{engine!r}] = ('0.0.1',)\n"
-    )
-    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}

@@ -240,6 +240,44 @@ def test_preloaded_bytes_go_in_rank_local_before_the_min() -> None:
     assert baselines == [11.5, 11.5]  # min(10 + 2, 11 + 0.5) on both ranks
 
 
+def test_weight_mutating_apis_are_refused_at_sglangs_tokenizer_manager() -> None:
+    """SGLang's own hook registry wraps every weight-mutating API of its tokenizer manager
+    (the HTTP server's and sgl.Engine's way in); with weightcache selected each is answered
+    with the refusal before SGLang sees it, without it SGLang's own method runs.
+    tests/engines/test_sglang_server.py calls each over HTTP on a real server."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from weightcache.integrations.sglang import mutations
+
+    load_plugins()
+    selected = SimpleNamespace(
+        server_args=SimpleNamespace(model_loader_extra_config='{"weightcache": {}}')
+    )
+    unselected = SimpleNamespace(server_args=SimpleNamespace(model_loader_extra_config="{}"))
+    for target in mutations.UPDATE_APIS:
+        cls = TokenizerManager if ".TokenizerManager." in target else TokenizerControlMixin
+        api = target.rsplit(".", 1)[1]
+        method = getattr(cls, api)
+        assert hasattr(method, "__wrapped__"), target  # hooked by SGLang's registry
+        answer = asyncio.run(method(selected, SimpleNamespace(tags=None), None))
+        assert answer[0] is False and answer[1] == mutations.refusal(api), target
+        with pytest.raises(AttributeError):  # SGLang's own method, on a stand-in manager
+            asyncio.run(method(unselected, SimpleNamespace(), None))
+    for target in mutations.MEMORY_APIS:
+        method = getattr(TokenizerControlMixin, target.rsplit(".", 1)[1])
+        with pytest.raises(mutations.WeightMutationRefused):
+            asyncio.run(method(selected, SimpleNamespace(tags=["weights"]), None))
+    check = TokenizerControlMixin.check_weights
+    answer = asyncio.run(check(selected, SimpleNamespace(action="reset_tensors"), None))
+    assert answer[0] is False and "reset_tensors is refused" in answer[1]
+    with pytest.raises(AttributeError):  # a reading action reaches SGLang's own method
+        asyncio.run(check(selected, SimpleNamespace(action="checksum"), None))
+
+
 def test_a_draft_model_loads_from_disk_unless_it_has_a_cache_of_its_own(
     memfd_daemon, minilm_dir, caplog
 ) -> None:

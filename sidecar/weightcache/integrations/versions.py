@@ -63,6 +63,13 @@ HOOKS: dict[str, tuple[tuple[str, str], ...]] = {
         # Online weight updates honour a model's _derived_weight_cache_error (refusal).
         ("sglang.srt.model_executor.model_runner_components.weight_updater",
          "_unsupported_derived_weight_cache_error"),
+        # The weight-mutating APIs refused at the tokenizer manager (sglang/mutations.py).
+        ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.update_weights_from_disk"),
+        *(("sglang.srt.managers.tokenizer_control_mixin", f"TokenizerControlMixin.{api}")
+          for api in ("update_weights_from_tensor", "update_weights_from_distributed",
+                      "update_weights_from_ipc", "init_weights_update_group",
+                      "begin_weight_update", "release_memory_occupation",
+                      "resume_memory_occupation", "check_weights")),
     ),  # fmt: skip
 }
 _DISPLAY = {"vllm": "vLLM", "sglang": "SGLang"}

@@ -20,6 +20,8 @@ Configuration: the ``"weightcache"`` object of ``--model-loader-extra-config``
 ``WEIGHTCACHE_*`` variables. KV sizing is SGLang's own: the loader's
 ``preloaded_weights_bytes`` feeds ``ModelRunner.account_preloaded_weights``,
 which :mod:`.kv` makes add them rank-local, before the MIN across ranks.
+Weight-mutating APIs are refused by :mod:`.mutations` while weightcache is
+selected.
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ def register() -> None:
 
             HookRegistry.register(GET_MODEL_LOADER, select_loader, HookType.BEFORE)
             if support.ok:
-                from weightcache.integrations.sglang import kv
+                from weightcache.integrations.sglang import kv, mutations
 
                 # The daemon's bytes go in rank-local, before the MIN (kv.py says why).
                 HookRegistry.register(kv.MEASURE, kv.measure_keeping_local, HookType.AROUND)
                 HookRegistry.register(kv.ACCOUNT, kv.account_rank_local, HookType.AROUND)
+                # Weight-mutating APIs refused at the server's front door (mutations.py).
+                for target, hook in mutations.hooks().items():
+                    HookRegistry.register(target, hook, HookType.AROUND)
         except Exception as exc:  # noqa: BLE001 - SGLang must start whatever happens here
             log.warning(
                 "weightcache: could not register the SGLang plugin (%s: %s); SGLang's own "
