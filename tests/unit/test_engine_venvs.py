@@ -22,8 +22,34 @@ def test_stale_cleanup_removes_only_older_builds_of_the_same_venv(cache: Path) -
              "sglang-0123456789ab", "vllm-notahash"]  # fmt: skip
     for name in names:
         (cache / name).mkdir()
-    engine_venvs._remove_stale("vllm", keep=cache / "vllm-ba9876543210")
+    assert engine_venvs._remove_stale("vllm", keep=cache / "vllm-ba9876543210")
     assert sorted(p.name for p in cache.iterdir()) == sorted(set(names) - {"vllm-0123456789ab"})
+    assert not engine_venvs._remove_stale("vllm", keep=cache / "vllm-ba9876543210")
+
+
+def test_a_stale_venvs_removal_clears_the_shared_uv_cache_but_not_the_live_venvs(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The venvs install from uv's cache by hard links: clearing the cache (so an old
+    pin's wheels do not stay behind) leaves every live venv's files in place."""
+    live = engine_venvs.venv_dir("sglang")
+    wheel_file = engine_venvs.uv_cache() / "archive-v0" / "torch" / "lib.so"
+    wheel_file.parent.mkdir(parents=True)
+    wheel_file.write_bytes(b"shared by two venvs")
+    for venv in (live, engine_venvs.venv_dir("sglang_prev")):
+        (venv / "lib").mkdir(parents=True)
+        (venv / "lib" / "lib.so").hardlink_to(wheel_file)
+        (venv / ".complete").write_text("built\n")
+    monkeypatch.setattr(engine_venvs, "_install_weightcache", lambda target: None)
+
+    engine_venvs.build("sglang")  # nothing stale: the cache stays for the next build
+    assert wheel_file.exists()
+    (cache / "sglang-0123456789ab").mkdir()  # an older pin's venv
+    assert engine_venvs.build("sglang") == live
+    assert not (cache / "sglang-0123456789ab").exists()
+    assert not engine_venvs.uv_cache().exists()
+    assert (live / "lib" / "lib.so").read_bytes() == b"shared by two venvs"
+    assert (engine_venvs.venv_dir("sglang_prev") / "lib" / "lib.so").stat().st_nlink == 2
 
 
 def test_every_venv_has_its_pins_and_an_engine_with_tests() -> None:
