@@ -681,6 +681,63 @@ def test_cache_policy_refuses_what_the_cluster_does_not_allow(
         assert admitted.returncode == 0, (change, admitted.stderr)
 
 
+def tightened_cache_policy(cluster: Cluster, namespace: str, *values: str) -> list[dict[str, Any]]:
+    """The chart's cache policy rendered with other values, bound to one namespace only
+    (other tests' caches share this control plane)."""
+    rendered = helm(cluster, "template", "tight", str(CHART), "-n", namespace,
+                    "--show-only", "templates/cache-policy.yaml", *values)
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    for doc in docs:
+        if doc["kind"] == "ValidatingAdmissionPolicyBinding":
+            doc["spec"]["matchResources"] = {"namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+    return docs
+
+
+def test_a_cache_the_policy_no_longer_allows_can_still_be_deleted(
+    cluster: Cluster, release: Release, api: Api, tmp_path: Path
+) -> None:
+    """The admin tightens the policy after a cache was admitted: its spec may no longer change
+    (but to something allowed), yet the operator's finalizer, kopf's annotations and a
+    label are metadata, never refused; else the cache could never be deleted."""
+    rel = release
+    config = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", rel.namespace,
+                              rel.operator_account)
+    operator = ChartOperator(cluster, rel, config, tmp_path / "operator.log")
+    flow = Flow(cluster, rel, api, cluster.node_names[0], tmp_path)
+    ns, name = flow.ns, flow.name
+    tight = tightened_cache_policy(cluster, ns,
+                                   "--set", "cachePolicy.allowedHostPaths.modelDirs={/models}")
+    operator.start()
+    try:
+        flow.apply_cache()
+        eventually("the operator's finalizer is on the cache", lambda: names.FINALIZER in (
+            api.cache(ns, name) or {}).get("metadata", {}).get("finalizers", []))
+        eventually("the DaemonSet exists", lambda: api.daemonset(ns, name))
+        apply(cluster, *tight)
+
+        def spec_edit_refused() -> str | None:
+            edit = {"spec": {"model": {"revision": uuid.uuid4().hex}}}
+            result = cluster.kubectl("patch", "wc", "-n", ns, name, "--type=merge", "-p",
+                                     json.dumps(edit), check=False)
+            return result.stderr if result.returncode != 0 else None
+
+        refusal = eventually("the tightened policy refuses a spec edit", spec_edit_refused)
+        assert "spec.model.path" in refusal and "is not under a model directory" in refusal
+        kubectl(cluster, "label", "wc", "-n", ns, name, "team=search")
+        kubectl(cluster, "delete", "wc", "-n", ns, name, "--wait=false")
+        eventually("the operator removed its finalizer and the cache is gone",
+                   lambda: api.cache(ns, name) is None)
+        assert api.daemonset(ns, name) is None
+        assert "is not under a model directory" not in operator.log()
+    finally:
+        operator.stop()
+        for doc in tight:
+            cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"],
+                            "--ignore-not-found", check=False)
+        flow.force_cleanup()
+
+
 def test_a_cache_cannot_pick_its_daemons_service_account(
     cluster: Cluster, release: Release, api: Api
 ) -> None:
