@@ -71,6 +71,12 @@ class Injection:
         return f"{CONTAINER_SOCKET_ROOT}/{self.directory}"
 
 
+def asks(labels: Mapping[str, str]) -> bool:
+    """Whether a pod asks for a cache: the chart's objectSelector, which sends the webhook
+    pods labelled `weightcache.dev/cache` except the operator's own daemon pods."""
+    return names.CACHE_LABEL in labels and labels.get(names.MANAGED_BY_LABEL) != names.MANAGER
+
+
 def wanted(pod_namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str]
            ) -> Wanted:
     """The cache the pod names; `Refused` (400) for a value that names none."""

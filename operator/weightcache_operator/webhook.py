@@ -18,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from . import inject, names
+from . import inject
 from .handlers import state_of
 
 WEBHOOK_ID = "inject"
@@ -35,15 +35,20 @@ class WebhookConfig:
                                   pkeyfile=self.keyfile)
 
 
-@kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False,
-                labels={names.CACHE_LABEL: kopf.PRESENT, names.MANAGED_BY_LABEL: kopf.ABSENT})
+# No kopf filter on labels: kopf admits a pod that no handler's filters match as it came,
+# so a pod the configuration sends but a filter skipped (once: any `managed-by` but the
+# operator's, such as Helm's) would start ungated. Every pod sent is decided below.
+@kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False)
 def inject_engine_pod(
     body: kopf.Body, spec: kopf.Spec, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
     **kwargs: Any,
 ) -> None:
     meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if not inject.asks(labels):
+        return
     try:
-        want = inject.wanted(namespace, meta.get("labels") or {}, meta.get("annotations") or {})
+        want = inject.wanted(namespace, labels, meta.get("annotations") or {})
         cache = state_of(memo, kwargs).cache(want.namespace, want.name)
         injection = inject.decide(namespace, want, cache)
     except inject.Refused as refused:

@@ -134,6 +134,24 @@ def test_a_labelled_pod_gets_what_it_needs_and_is_gated(scene: Scene, api: Api) 
     assert is_ready(api.core.read_namespaced_pod("one-label", ns))
 
 
+def test_every_pod_the_webhook_is_sent_is_injected_or_refused_never_passed(
+    scene: Scene, api: Api
+) -> None:
+    """The configuration sends labelled pods whose `managed-by` is anything but the
+    operator's (Helm charts label their pods `managed-by: Helm`): each is injected, and one
+    naming a missing cache refused, never admitted as it came."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    helm_pod = labelled_pod(ns, "from-helm", name, scene.node)
+    helm_pod["metadata"]["labels"][names.MANAGED_BY_LABEL] = "Helm"
+    pod = create(api, helm_pod)
+    assert [g.condition_type for g in pod.spec.readiness_gates or []] == [names.GATE_CONDITION]
+    assert [v.name for v in pod.spec.volumes if v.name == inject.VOLUME] == [inject.VOLUME]
+    missing = labelled_pod(ns, "from-helm-missing", "no-such-cache", scene.node)
+    missing["metadata"]["labels"][names.MANAGED_BY_LABEL] = "Helm"
+    assert refused(api, missing).status == 403
+
+
 def test_a_pod_naming_a_missing_cache_or_another_namespaces_is_refused(
     cluster: Cluster, scene: Scene, api: Api
 ) -> None:

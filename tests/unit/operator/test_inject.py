@@ -30,6 +30,15 @@ def injection(ns: str = "team") -> inject.Injection:
     return inject.decide(ns, want, cache())
 
 
+def test_a_pod_asks_for_a_cache_whatever_else_manages_it() -> None:
+    """The chart's objectSelector (the label exists, `managed-by` is not the operator's):
+    every pod it sends is injected or refused, a Helm-managed one included."""
+    assert inject.asks({names.CACHE_LABEL: "minilm"})
+    assert inject.asks({names.CACHE_LABEL: "minilm", names.MANAGED_BY_LABEL: "Helm"})
+    assert not inject.asks({names.CACHE_LABEL: "minilm", names.MANAGED_BY_LABEL: names.MANAGER})
+    assert not inject.asks({"app": "engine"})
+
+
 def test_the_label_names_a_cache_of_the_pods_namespace_or_the_annotated_one() -> None:
     assert inject.wanted("team", {names.CACHE_LABEL: "minilm"}, {}) == inject.Wanted(
         "team", "minilm")
