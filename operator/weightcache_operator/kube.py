@@ -55,6 +55,17 @@ class Kube:
         await asyncio.to_thread(self.apps.delete_namespaced_daemon_set, name, namespace,
                                 body=body)
 
+    async def read_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """One WeightCache as the apiserver holds it now; None if there is none. A list
+        by name, so the operator needs no `get` beside the `list` its watch needs."""
+        found = await asyncio.to_thread(
+            self.custom.list_namespaced_custom_object,
+            names.GROUP, names.VERSION, namespace, names.PLURAL,
+            field_selector=f"metadata.name={name}",
+        )
+        items = found.get("items") or []
+        return dict(items[0]) if items else None
+
     async def replace_cache_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> None:
         # JSON-patch "add" replaces the whole status, so fields the new status

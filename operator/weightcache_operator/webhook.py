@@ -18,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from . import inject
+from . import inject, views
 from .handlers import state_of
 
 WEBHOOK_ID = "inject"
@@ -39,7 +39,7 @@ class WebhookConfig:
 # so a pod the configuration sends but a filter skipped (once: any `managed-by` but the
 # operator's, such as Helm's) would start ungated. Every pod sent is decided below.
 @kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False)
-def inject_engine_pod(
+async def inject_engine_pod(
     body: kopf.Body, spec: kopf.Spec, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
     **kwargs: Any,
 ) -> None:
@@ -50,6 +50,11 @@ def inject_engine_pod(
     try:
         want = inject.wanted(namespace, labels, meta.get("annotations") or {})
         cache = state_of(memo, kwargs).cache(want.namespace, want.name)
+        if cache is None:
+            # A cache created a moment ago (one `kubectl apply` of the cache and its
+            # engines) may not have reached the operator's watch yet: ask the apiserver.
+            body = await memo.reconciler.kube.read_cache(want.namespace, want.name)
+            cache = views.cache_view(body) if body is not None else None
         injection = inject.decide(namespace, want, cache)
     except inject.Refused as refused:
         raise kopf.AdmissionError(str(refused), code=refused.code) from None
