@@ -77,8 +77,10 @@ def float16_daemon(session_daemons: DaemonFactory, minilm_dir: Path) -> DaemonPr
 @pytest.fixture(autouse=True)
 def fresh_decisions() -> Iterator[None]:
     """The attach decision is cached per process by design; each test decides anew."""
-    from weightcache.integrations import loading
+    from weightcache.integrations import layouts, loading
 
     loading.forget_attachments()
+    layouts.forget_layouts()
     yield
     loading.forget_attachments()
+    layouts.forget_layouts()

