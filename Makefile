@@ -45,11 +45,18 @@ manifests: venv
 
 # Engine adapters against vLLM and SGLang releases, each in its own venv
 # (built once, cached in ~/.cache/weightcache/engines; see tools/engine_venvs).
+engine-venvs: venv
+	$(PY) -m tools.engine_venvs build
+
 test-engines: venv
 	$(PY) -m tools.engine_venvs test
 
-# Unit tests, then GPU tests (skipped without a CUDA device), then the real control plane.
-test: lint testenv test-engines
+# The engine venvs (mostly downloads) build while testenv compiles the control plane
+# (mostly CPU), so a cold run pays for the longer of the two, not both. Then the engine
+# adapters, unit tests, GPU tests (skipped without a CUDA device), the real control plane.
+test: lint
+	$(MAKE) -j2 --output-sync=line testenv engine-venvs
+	$(MAKE) test-engines
 	$(PY) -m pytest -rs tests/unit tests/gpu tests/k8s
 
 # Faults on the real node, the long way: 20 minutes of engine Deployments rolling while a
