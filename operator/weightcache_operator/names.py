@@ -43,6 +43,11 @@ CSI_CACHE_ATTRIBUTE = "cache"
 MAX_LABEL_NAME = 63
 
 
+# Joins a long name's head to its hash: `_` is allowed in a label key but in no namespace or
+# cache name (DNS names), so no cache's plain `<namespace>.<name>` can equal a hashed one.
+HASH_SEPARATOR = "_"
+
+
 def node_label_name(namespace: str, name: str) -> str:
     """`<namespace>.<name>`, unique per cache (namespaces have no dots); hashed when too long."""
     full = f"{namespace}.{name}"
@@ -50,7 +55,7 @@ def node_label_name(namespace: str, name: str) -> str:
         return full
     digest = hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:16]
     head = full[: MAX_LABEL_NAME - len(digest) - 1].rstrip("-_.")
-    return f"{head}-{digest}"
+    return f"{head}{HASH_SEPARATOR}{digest}"
 
 
 def node_label_key(namespace: str, name: str) -> str:
