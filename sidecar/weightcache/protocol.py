@@ -20,6 +20,11 @@ from weightcache.plan import LoadPlan
 PROTOCOL_VERSION = 1
 LAYOUT_VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+# Requests are small (a config is ~150 bytes a checkpoint file; a load plan ~150 bytes a
+# copy, ~7 MB for a 47,000-expert-tensor MoE model): the daemon refuses a request frame
+# over this, and holds at most MAX_REQUEST_BYTES of unfinished request frames in all.
+MAX_REQUEST_FRAME = 16 * 1024 * 1024
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
 # A readopt request or reply is a few hundred bytes.
 READOPT_MAX_FRAME = 64 * 1024
 # A Unix socket path must fit sockaddr_un.sun_path (108 bytes with the NUL).

@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -90,6 +91,7 @@ def recv_frame(
     max_frame: int = DEFAULT_MAX_FRAME,
     max_fds: int = 0,
     deadline: float | None = None,
+    charge: Callable[[int], None] | None = None,
 ) -> tuple[bytes, list[int]]:
     """Read one frame; return its body and the fds that came with it.
 
@@ -99,6 +101,9 @@ def recv_frame(
     ``deadline`` (a ``time.monotonic()`` value) bounds the whole frame, where
     the socket's timeout bounds each read: a peer trickling a byte at a time
     gets TimeoutError instead of holding the connection forever.
+    ``charge`` is told each change in the body bytes held (a piece's size before
+    it is read, minus what did not arrive), so the caller can bound the bytes
+    all its connections hold together; it raises to refuse.
     """
     fds: list[int] = []
     timeout = sock.gettimeout()
@@ -126,7 +131,12 @@ def recv_frame(
         got = 0
         while got < length:
             _apply_deadline(sock, deadline, timeout)
-            chunk = sock.recv(min(length - got, _RECV_CHUNK))
+            piece = min(length - got, _RECV_CHUNK)
+            if charge is not None:
+                charge(piece)
+            chunk = sock.recv(piece)
+            if charge is not None and len(chunk) < piece:
+                charge(len(chunk) - piece)  # give back what did not arrive
             if not chunk:
                 raise ProtocolError(f"truncated frame body ({got} of {length} bytes)")
             chunks.append(chunk)

@@ -19,7 +19,13 @@ from weightcache.daemon.seed import WAIT_SECONDS
 from weightcache.daemon.server import ServerLimits
 from weightcache.daemon.service import Daemon, DaemonOptions
 from weightcache.devices import resolve_device
-from weightcache.protocol import DEFAULT_MAX_FRAME, ShardSpec, check_socket_path, socket_path
+from weightcache.protocol import (
+    MAX_REQUEST_BYTES,
+    MAX_REQUEST_FRAME,
+    ShardSpec,
+    check_socket_path,
+    socket_path,
+)
 from weightcache.shard import PLAN_NAMES, ShardError, check_spec
 from weightcache.sockets import PeerPolicy
 from weightcache.transport import TRANSPORT_NAMES, default_daemon_transport
@@ -111,7 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="per-connection timeout in seconds"
     )
-    serve.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME)
+    serve.add_argument(
+        "--max-frame",
+        type=int,
+        default=MAX_REQUEST_FRAME,
+        help=f"largest request frame in bytes (default {MAX_REQUEST_FRAME})",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help="request bytes all connections may hold unfinished together "
+        f"(default {MAX_REQUEST_BYTES})",
+    )
     serve.add_argument(
         "--readopt-seconds",
         type=_positive_float,
@@ -197,7 +215,9 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
         shard=shard,
         revision=args.revision,
         policy=PeerPolicy(uids, frozenset(args.allow_gid)),
-        limits=ServerLimits(args.max_frame, args.max_connections, args.timeout),
+        limits=ServerLimits(
+            args.max_frame, args.max_connections, args.timeout, args.max_request_bytes
+        ),
         http_address=args.http_address,
         stall_seconds=args.stall_seconds,
         readopt_seconds=args.readopt_seconds,

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightcache.protocol import (
-    DEFAULT_MAX_FRAME,
+    MAX_REQUEST_BYTES,
+    MAX_REQUEST_FRAME,
     ErrorReply,
     FetchLayoutRequest,
     FetchStateReply,
@@ -49,10 +50,36 @@ _BROKEN_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.E
 
 @dataclass
 class ServerLimits:
-    max_frame: int = DEFAULT_MAX_FRAME
+    # The largest request frame; requests are small (protocol.MAX_REQUEST_FRAME).
+    max_frame: int = MAX_REQUEST_FRAME
     max_connections: int = 64
     # Per-connection: a client idle (or trickling bytes) this long is dropped.
     timeout_seconds: float = 10.0
+    # Request bytes held by all connections together (read, not yet decoded): without
+    # it, each connection could hold an unfinished frame of max_frame bytes.
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+
+class RequestBytesFull(RuntimeError):
+    """Taking more request bytes would pass ``max_request_bytes``."""
+
+
+class RequestBytes:
+    """The request bytes every connection holds, bounded in total."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def change(self, n: int) -> None:
+        """Take ``n`` bytes (give back when negative); ``RequestBytesFull`` past the limit."""
+        with self._lock:
+            if n > 0 and self._held + n > self.limit:
+                raise RequestBytesFull(
+                    f"busy: {self._held} bytes of requests in flight (limit {self.limit})"
+                )
+            self._held += n
 
 
 @dataclass
@@ -93,6 +120,7 @@ class SocketServer:
         self._holdings = holdings
         self._status = status
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._request_bytes = RequestBytes(limits.max_request_bytes)
         self._stopping = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._threads_lock = threading.Lock()
@@ -213,15 +241,8 @@ class SocketServer:
             self.counters.active += 1
         try:
             while not self._stopping.is_set():
-                deadline = time.monotonic() + self._limits.timeout_seconds
-                try:
-                    body, _ = recv_frame(conn, self._limits.max_frame, max_fds=0, deadline=deadline)
-                    request = decode_request(body)
-                except PeerClosed:
-                    return
-                except ProtocolError as exc:
-                    self.counters.count(self.counters.refused, "bad_frame")
-                    self._reply_and_close(conn, str(exc))
+                request = self._read_request(conn)
+                if request is None:
                     return
                 self._answer(conn, request)
         except (TimeoutError, OSError) as exc:
@@ -234,6 +255,34 @@ class SocketServer:
             self._slots.release()
             with self._threads_lock:
                 self._threads.discard(threading.current_thread())
+
+    def _read_request(self, conn: socket.socket) -> Request | None:
+        """The next request, or None once the connection is done (closed, or refused)."""
+        deadline = time.monotonic() + self._limits.timeout_seconds
+        held = 0
+
+        def charge(n: int) -> None:
+            nonlocal held
+            self._request_bytes.change(n)
+            held += n
+
+        try:
+            body, _ = recv_frame(
+                conn, self._limits.max_frame, max_fds=0, deadline=deadline, charge=charge
+            )
+            return decode_request(body)
+        except PeerClosed:
+            return None
+        except RequestBytesFull as exc:
+            self.counters.count(self.counters.refused, "request_bytes")
+            self._reply_and_close(conn, str(exc), retryable=True)
+            return None
+        except ProtocolError as exc:
+            self.counters.count(self.counters.refused, "bad_frame")
+            self._reply_and_close(conn, str(exc))
+            return None
+        finally:
+            self._request_bytes.change(-held)
 
     def _answer(self, conn: socket.socket, request: Request) -> None:
         if isinstance(request, PingRequest):

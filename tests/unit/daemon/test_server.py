@@ -36,6 +36,7 @@ from weightcache.client import (
 from weightcache.daemon.lock import lock_path
 from weightcache.daemon.server import ServerLimits, SocketServer
 from weightcache.protocol import (
+    MAX_REQUEST_FRAME,
     CacheConfig,
     ErrorReply,
     FetchStateReply,
@@ -174,7 +175,10 @@ def raw_frame(fields: dict) -> bytes:
 BAD_FRAMES = {
     "truncated header": (b"\x00\x00", "truncated frame header (2 of 4 bytes)"),
     "truncated body": (frame(PingRequest(v=1))[:-2], "truncated frame body"),
-    "oversized": (b"\x04\x00\x00\x01" + b"x" * 64, "exceeds the 67108864-byte cap"),
+    "oversized": (
+        (MAX_REQUEST_FRAME + 1).to_bytes(4, "big") + b"x" * 64,
+        f"exceeds the {MAX_REQUEST_FRAME}-byte cap",
+    ),
     "not msgpack": (b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "bad request"),
     "not a map": (b"\x00\x00\x00\x01\x07", "bad request: Expected `object`"),
     "unknown op": (raw_frame({"op": "shutdown", "v": 1}), "'shutdown'"),

@@ -20,6 +20,9 @@ from tests.unit.wc_harness import frame, print_counts, wait_until
 from weightcache.client import DaemonError, attach
 from weightcache.protocol import (
     DEFAULT_MAX_FRAME,
+    MAX_REQUEST_BYTES,
+    MAX_REQUEST_FRAME,
+    ErrorReply,
     FetchStateRequest,
     PingRequest,
     decode_reply,
@@ -173,6 +176,70 @@ def test_announced_huge_frames_do_not_reserve_memory(limited_daemon) -> None:
     grown = limited_daemon.peak_rss_kib() - peak_before
     # Reserving each announced body up front would add 8 x 64 MiB = 512 MiB here.
     assert grown < 64 * 1024, f"peak RSS grew by {grown} KiB"
+
+
+def unfinished_frame(socket_path: str, announced: int, sent: int) -> socket.socket:
+    """A connection that announced a frame of ``announced`` bytes and sent ``sent`` of them
+    (or fewer: the daemon may refuse it and close while it sends)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(socket_path)
+    try:
+        s.sendall(announced.to_bytes(4, "big") + b"\x81" + b"x" * (sent - 1))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return s
+
+
+def refusal(s: socket.socket, wait: float = 0.2) -> ErrorReply | None:
+    """The daemon's error reply on ``s``, if it sent one within ``wait`` seconds."""
+    s.settimeout(wait)
+    try:
+        data = s.recv(65536)
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        raise AssertionError("closed without a reply") from None
+    reply = decode_reply(data[4:]) if data else None
+    return reply if isinstance(reply, ErrorReply) else None
+
+
+def test_unfinished_request_frames_hold_bounded_memory(module_daemons, minilm_dir,
+                                                       minilm_reference) -> None:
+    """Issue 25 item 8: 16 connections holding unfinished 60 MiB frames once added ~950 MiB
+    to the daemon. Requests are small: a frame over the request cap is refused at its
+    header, and the bytes all connections hold together are bounded."""
+    daemon = module_daemons(minilm_dir, "--transport", "memfd", "--timeout", "30")
+    with unfinished_frame(daemon.socket, 60 << 20, 1) as s:
+        reply = refusal(s, wait=10)
+    assert reply is not None, "the daemon waited for the rest of a 60 MiB request"
+    assert f"exceeds the {MAX_REQUEST_FRAME}-byte cap" in reply.error, reply
+    count("request frames over the cap refused at the header")
+
+    peak_before = daemon.peak_rss_kib()
+    clients, frame_bytes = 16, 4 << 20
+    conns = []
+    refused = []
+    try:
+        for _ in range(clients):
+            conn = unfinished_frame(daemon.socket, frame_bytes, frame_bytes - 4096)
+            conns.append(conn)
+            reply = refusal(conn)
+            if reply is not None:
+                refused.append(reply)
+        # The rest wait mid-frame: all 16 would hold 64 MiB, twice the bound.
+        held = clients - len(refused)
+        assert 0 < held <= MAX_REQUEST_BYTES // (frame_bytes - 4096) + 1, held
+        assert refused, "every unfinished frame was kept"
+        assert all(r.retryable and "bytes of requests in flight" in r.error for r in refused)
+        count("unfinished 4 MiB request frames held", clients)
+        grown = daemon.peak_rss_kib() - peak_before
+        assert grown < MAX_REQUEST_BYTES // 1024 + 16 * 1024, f"peak RSS grew {grown} KiB"
+    finally:
+        for conn in conns:
+            conn.close()
+    daemon.wait_idle()
+    attach_and_check(daemon.socket, minilm_reference)
 
 
 # ----------------------------------------------------------------------------- crowds

@@ -24,7 +24,7 @@ from tests.unit.wc_harness import exchange, frame, print_counts
 from weightcache.client import attach
 from weightcache.daemon.server import MAX_ERROR_CHARS
 from weightcache.protocol import (
-    DEFAULT_MAX_FRAME,
+    MAX_REQUEST_FRAME,
     ErrorReply,
     FetchStateReply,
     FetchStateRequest,
@@ -192,7 +192,7 @@ def _truncated_header(rng: random.Random, daemon) -> None:
 
 
 def _past_the_cap(rng: random.Random, daemon) -> None:
-    length = rng.randint(DEFAULT_MAX_FRAME + 1, 2**32 - 1)
+    length = rng.randint(MAX_REQUEST_FRAME + 1, 2**32 - 1)
     data = header(length) + rng.randbytes(rng.randint(0, 64))
     check_refused(daemon.socket, data, f"frame of {length} bytes exceeds")
 
@@ -309,8 +309,8 @@ def test_huge_frames_leave_fds_flat_and_memory_bounded(fuzz_daemon, minilm_refer
 
 @pytest.mark.parametrize("field", ["op", "key"])
 def test_a_value_near_the_frame_cap_gets_a_short_error(fuzz_daemon, minilm_reference, field):
-    """Decode errors quote the bad value; a 60 MiB one must not come back (or crash the reply)."""
-    huge = "o" * (60 * 1024 * 1024)
+    """Decode errors quote the bad value; a value filling a request frame must not come back."""
+    huge = "o" * (MAX_REQUEST_FRAME - 1024)
     fields = {"op": huge, "v": 1} if field == "op" else {"op": "ping", "v": 1, huge: 1}
     body = msgspec.msgpack.encode(fields)
     result = exchange(fuzz_daemon.socket, header(len(body)) + body)
@@ -318,5 +318,5 @@ def test_a_value_near_the_frame_cap_gets_a_short_error(fuzz_daemon, minilm_refer
     reply = decode_reply(result.replies[0])
     assert isinstance(reply, ErrorReply) and reply.error.endswith("... (truncated)")
     assert len(reply.error) < 2 * MAX_ERROR_CHARS
-    count("values near the frame cap (60 MiB)")
+    count("values near the request frame cap (16 MiB)")
     assert_healthy(fuzz_daemon, minilm_reference)
