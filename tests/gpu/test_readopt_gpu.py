@@ -1,9 +1,11 @@
 """Issue 11 on a real GPU: a vmm_fd daemon restarts without reloading its weights.
 
 As in tests/unit/daemon/test_readopt.py (memfd), the proof that nothing was
-read from disk: after the first load every tensor byte of the checkpoint is
-zeroed in place (same size and header, so the same fingerprint), yet a new
-engine's logits equal a cold load of the original checkpoint.
+read from disk: the successor read (``rchar``) at least 90 % of the checkpoint
+less than its predecessor, which loaded it, and a new engine's logits equal a
+cold load. (Zeroing the checkpoint in place
+no longer proves it: bytes whose files changed since they were read are never
+re-adopted, see daemon/provenance.py.)
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -125,13 +126,9 @@ def engine(socket_path: str, processes: list, script: str = ENGINE) -> subproces
     return proc
 
 
-def zero_tensor_bytes(model: Path) -> None:
-    for path in model.glob("*.safetensors"):
-        with open(path, "r+b") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            size = os.fstat(f.fileno()).st_size
-            f.seek(8 + header_len)
-            f.write(bytes(size - 8 - header_len))
+def read_chars(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def logits_through_daemon(socket_path: str, model: Path) -> torch.Tensor:
@@ -183,10 +180,12 @@ def test_restart_readopts_from_a_live_engine_and_logits_equal_a_cold_load(
     )
     holder = engine(first_daemon.socket_path, processes)
 
+    loaded = read_chars(first_daemon.proc.pid)
     kill(first_daemon)
-    zero_tensor_bytes(model)
     second = daemon(run_dir, model, processes)
     status = daemon_status(second.socket_path)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    assert loaded - read_chars(second.proc.pid) >= 0.9 * size
 
     assert status.readopted and status.load_source == "readopted", status.load_reason
     assert f"engine pid {holder.pid}" in status.load_reason

@@ -164,6 +164,16 @@ def exchange(
     return Exchange(replies, trailing, closed)
 
 
+def read_chars(pid: int) -> int:
+    """Bytes the process has read through read-like calls (``rchar`` of /proc/PID/io): files
+    and sockets; memory handed over as fds (a re-adopted or seeded memfd) is not among them."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
 def proc_status_kib(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -24,6 +24,7 @@ import torch
 
 from weightcache.checkpoint import Checkpoint, TensorRecord, dtype_from_name
 from weightcache.daemon.loader import PIECE_BYTES, _host_view, _pread_into, target_dtype
+from weightcache.daemon.provenance import stamp
 from weightcache.daemon.resident import ResidentWeights
 from weightcache.layout import plan_param_layout, tensor_specs
 from weightcache.plan import LoadPlan, PlanSummary, Region, extent, narrow, numel, rebase
@@ -87,6 +88,7 @@ def build_layout(
 ) -> tuple[ResidentWeights, BuildStats]:
     """The engine layout ``plan`` describes, in fresh memory of ``backend``'s kind."""
     started = time.perf_counter()
+    read_at = stamp(checkpoint.model_dir)  # before any disk read (provenance.py)
     layout = plan_param_layout(plan.params, backend.allocation_alignment(device))
     memory = backend.allocate(layout.allocation_sizes, device)
     stats = BuildStats()
@@ -109,6 +111,9 @@ def build_layout(
         expected_bytes=summary.param_bytes,
         load_seconds=time.perf_counter() - started,
         load_source=stats.source,
+        # Bytes copied from the checkpoint layout descend from its disk read: its stamps (if
+        # the files changed since, successors then find them differ and read the disk).
+        source=read_at if resident is None or not stats.copies_resident else resident.source,
     )
     return built, stats
 

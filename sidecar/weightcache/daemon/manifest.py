@@ -49,6 +49,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
+from weightcache.daemon.provenance import FileStamp, Source
 from weightcache.daemon.resident import ResidentWeights
 from weightcache.daemon.statedir import StateDirError, opened_private_dir, state_dir, state_file
 from weightcache.layout import check_layout
@@ -97,6 +98,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checksum_key: HexKey
     # One per allocation, in layout.allocation_sizes order.
     digests: list[Digest]
+    # The checkpoint files' stamps before the disk read these bytes descend from
+    # (provenance.py); None in manifests of daemons from before it was kept.
+    source: list[FileStamp] | None = None
 
 
 LAYOUT_MANIFEST = re.compile(r"\.layout-([0-9a-f]{64})\.manifest$")
@@ -276,7 +280,8 @@ def digests_under(
 
 
 def build_manifest(
-    *, config: CacheConfig, transport: str, gpu: str, layout: Layout, buffers: list[torch.Tensor]
+    *, config: CacheConfig, transport: str, gpu: str, layout: Layout, buffers: list[torch.Tensor],
+    source: Source | None = None,
 ) -> Manifest:
     """Digest every allocation under a fresh key."""
     key = secrets.token_bytes(32)
@@ -292,6 +297,7 @@ def build_manifest(
         checksum=algorithm,
         checksum_key=key.hex(),
         digests=allocation_digests(buffers, algorithm, key),
+        source=None if source is None else list(source),
     )
 
 
@@ -423,6 +429,7 @@ def save_manifest(socket_path: str, gpu: str, resident: ResidentWeights) -> str 
             gpu=gpu,
             layout=resident.layout,
             buffers=resident.memory.buffers,
+            source=resident.source,
         )
         write_manifest(path, manifest)
     except (OSError, RuntimeError, ValueError) as exc:

@@ -40,6 +40,7 @@ from weightcache.daemon.manifest import (
     remove_manifest,
     stale_reason,
 )
+from weightcache.daemon.provenance import Source, difference, stamp
 from weightcache.daemon.resident import ResidentWeights
 from weightcache.layout import tensor_specs
 from weightcache.protocol import (
@@ -159,7 +160,7 @@ def try_readopt(
     except CheckpointError as exc:
         return Readoption({}, str(exc))
     base = cache_config(checkpoint, device, dtype, shard, revision)
-    wanted = _current(socket_path, manifests, base, transport, gpu, notes)
+    wanted = _current(socket_path, manifests, base, transport, gpu, stamp(model_dir), notes)
     if not wanted:
         return Readoption({}, "; ".join(notes))
 
@@ -210,6 +211,7 @@ def try_readopt(
                 expected_bytes=sum(spec.nbytes for spec, _, _ in tensor_specs(manifest.layout)),
                 load_seconds=time.perf_counter() - started,
                 load_source="readopted",
+                source=None if manifest.source is None else tuple(manifest.source),
             )
             which = "" if plan is None else f"layout {plan[:12]}: "
             reasons.append(
@@ -258,15 +260,22 @@ def _current(
     base: CacheConfig,
     transport: str,
     gpu: str,
+    files: Source,
     notes: list[str],
 ) -> dict[str | None, Manifest]:
     """The manifests that still describe what this daemon serves (``base`` is its config
-    from the checkpoint's headers); why the others do not goes to ``notes`` (a stale engine
-    layout's manifest is removed)."""
+    from the checkpoint's headers, ``files`` the checkpoint files' stamps now); why the others
+    do not goes to ``notes`` (a stale engine layout's manifest is removed)."""
     wanted: dict[str | None, Manifest] = {}
     for plan, manifest in manifests.items():
         expected = msgspec.structs.replace(base, plan=plan)
         stale = stale_reason(manifest, config=expected, transport=transport, gpu=gpu)
+        if stale is None and manifest.source is not None:
+            # Same headers, but the files were rewritten since these bytes were read: the
+            # engines' copies may no longer be what the disk holds.
+            changed = difference(tuple(manifest.source), files)
+            if changed is not None:
+                stale = f"the checkpoint changed since these bytes were read from disk ({changed})"
         if stale is None:
             wanted[plan] = manifest
         elif plan is None:

@@ -11,6 +11,7 @@ import torch
 
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.daemon.loader import expected_bytes, load_into_buffers, tensor_specs_for
+from weightcache.daemon.provenance import Source, stamp
 from weightcache.layout import plan_layout
 from weightcache.protocol import CacheConfig, Layout, ShardSpec, fingerprint
 from weightcache.transport import get_daemon_transport_backend
@@ -32,6 +33,9 @@ class ResidentWeights:
     # Why no manifest describes these weights (set by whoever failed to write it): a
     # restarted daemon cannot re-adopt them and reloads.
     manifest_error: str | None = None
+    # The checkpoint files' stamps before the disk read these bytes descend from
+    # (provenance.py); None when unknown (re-adopted under a manifest that kept none).
+    source: Source | None = None
 
     @property
     def transport(self) -> str:
@@ -56,6 +60,7 @@ def load_from_disk(
     """Read the checkpoint (``shard``'s rank of it) into memory of ``transport``'s kind and
     prepare it for export."""
     started = time.perf_counter()
+    source = stamp(model_dir)  # before reading: a file changed meanwhile shows later
     checkpoint = read_checkpoint(model_dir)
     config = cache_config(checkpoint, device, dtype, shard, revision)
     backend = get_daemon_transport_backend(transport)
@@ -79,4 +84,5 @@ def load_from_disk(
         expected_bytes=expected_bytes(specs),
         load_seconds=time.perf_counter() - started,
         load_source="disk",
+        source=source,
     )

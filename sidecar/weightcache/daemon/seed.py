@@ -69,6 +69,7 @@ from weightcache.daemon.manifest import (
     save_manifest,
     write_manifest,
 )
+from weightcache.daemon.provenance import Source, difference, stamp
 from weightcache.daemon.resident import ResidentWeights, load_from_disk
 from weightcache.daemon.statedir import state_dir
 from weightcache.layout import plan_layout, tensor_specs
@@ -161,6 +162,8 @@ class Target:
     fingerprint: str
     layout: Layout
     expected_bytes: int
+    # The checkpoint files' stamps as this daemon finds them (provenance.py).
+    source: Source = ()
 
 
 # --------------------------------------------------------------------------- decisions (pure)
@@ -327,6 +330,14 @@ def _copy_layout(
     )
     if problem is not None:
         raise SeedUnavailable(problem)
+    # Its bytes descend from a disk read of the files as they were then: were they changed
+    # since (a poisoned file repaired), only the disk has what the files now say.
+    if manifest.source is None:
+        raise SeedUnavailable("its manifest does not say which files its bytes were read from")
+    changed = difference(tuple(manifest.source), target.source)
+    if changed is not None:
+        raise SeedUnavailable(f"the checkpoint changed since its bytes were read from disk "
+                              f"({changed})")
     layout = manifest.layout
     on_gpu = target.device.type == "cuda"
 
@@ -405,6 +416,7 @@ def _copy_layout(
         load_seconds=time.perf_counter() - started,
         load_source="peer",
         seeded_from=peer_gpu,
+        source=target.source,  # equal to the neighbour's: checked before the copy
     )
     _save_own_manifest(target, resident, own_key, [d[1] for d in per_allocation])
     return resident, copy_seconds, verify_seconds
@@ -425,6 +437,7 @@ def _save_own_manifest(
         checksum=algorithm_for(target.device),
         checksum_key=key.hex(),
         digests=digests,
+        source=None if resident.source is None else list(resident.source),
     )
     try:
         write_manifest(path, manifest)
@@ -452,6 +465,7 @@ def plan_target(
     revision: str | None,
 ) -> Target:
     """What this daemon would hold, from the checkpoint's headers alone."""
+    source = stamp(model_dir)
     checkpoint = read_checkpoint(model_dir)
     config = cache_config(checkpoint, device, dtype, shard, revision)
     backend = get_daemon_transport_backend(transport)
@@ -465,6 +479,7 @@ def plan_target(
         fingerprint=fingerprint(config),
         layout=plan_layout(specs, backend.allocation_alignment(device)),
         expected_bytes=expected_bytes(specs),
+        source=source,
     )
 
 

@@ -18,6 +18,7 @@ from tests.unit.toyengine import (
 )
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.daemon.build import build_layout
+from weightcache.daemon.provenance import stamp
 from weightcache.daemon.resident import load_from_disk
 from weightcache.integrations.trace import trace_load
 from weightcache.layout import build_views
@@ -96,6 +97,7 @@ def test_without_a_checkpoint_layout_everything_comes_from_disk(toy) -> None:
     built, stats = build(model_dir, plan, None)
     try:
         assert built.load_source == "disk" and stats.copies_resident == 0
+        assert built.source == stamp(model_dir)  # its provenance: the files it read
         # A row-parallel shard reads only its rows' spans, not whole tensors twice over.
         assert stats.bytes_from_disk <= sum(t.numel() * 4 for t in tensors.values())
         views = build_views(built.memory.buffers, built.layout)
