@@ -145,8 +145,10 @@ def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.Im
                                  "--wait=true", "--timeout=100s", check=False)
             real_cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait",
                               check=False)
-            real_cluster.kubectl("delete", "namespace", ns, SYSTEM_NS, "--wait=false",
-                                 "--ignore-not-found", check=False)
+            # Waited for: the next module installs the chart into the same system
+            # namespace, which helm refuses while it is still terminating.
+            real_cluster.kubectl("delete", "namespace", ns, SYSTEM_NS, "--wait=true",
+                                 "--timeout=120s", "--ignore-not-found", check=False)
             shutil.rmtree(socket_root, ignore_errors=True)
 
 
