@@ -132,7 +132,8 @@ def test_a_labelled_pod_gets_what_it_needs_and_is_gated(scene: Scene, api: Api) 
     scene.start_daemon()
     eventually("the gate opens once the daemon reports", lambda: gate_of(
         api.core.read_namespaced_pod("one-label", ns)) == ("True", "WeightsResident"))
-    assert is_ready(api.core.read_namespaced_pod("one-label", ns))
+    eventually("the pod Ready once its gate is open",
+               lambda: is_ready(api.core.read_namespaced_pod("one-label", ns)))
 
 
 def test_every_pod_the_webhook_is_sent_is_injected_or_refused_never_passed(
