@@ -43,8 +43,11 @@ class MainVenvDaemon(DaemonProcess):
 
 
 class MainVenvDaemons(DaemonFactory):
-    def __call__(self, model_dir: Path, *extra_args: str, wait: bool = True) -> DaemonProcess:
-        daemon = MainVenvDaemon(Path(model_dir), self.workdir(), tuple(extra_args))
+    def __call__(
+        self, model_dir: Path, *extra_args: str, wait: bool = True, **fields
+    ) -> DaemonProcess:
+        """``fields``: DaemonProcess's own (socket_name, ...)."""
+        daemon = MainVenvDaemon(Path(model_dir), self.workdir(), tuple(extra_args), **fields)
         return self.adopt(daemon).start(wait=wait)
 
 

@@ -110,3 +110,47 @@ def fetches(daemon, op: str = "fetch_state") -> int:
     pattern = rb'^weightcache_requests_total\{op="%s"\} ([0-9.e+]+)$' % op.encode()
     match = re.search(pattern, body, re.M)
     return int(float(match.group(1))) if match else 0
+
+
+def in_daemon_memory(attached):
+    """Whether a tensor's bytes lie in the daemon's mapped allocations (read from its own
+    storage: where the engine's parameter actually is)."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in attached.allocations()]
+
+    def inside(t) -> bool:
+        end = t.data_ptr() + t.numel() * t.element_size()
+        return t.numel() > 0 and any(lo <= t.data_ptr() and end <= hi for lo, hi in spans)
+
+    return inside
+
+
+def run_ranks(module: str, jobs: list[list[str]], workdir: Path, timeout: float = 600) -> list:
+    """``python -m module RANK WORLD PORT OUT JOB...`` once per rank (``jobs[rank]``), all at
+    once (they join one process group); each rank's JSON from OUT, in rank order."""
+    import sys
+
+    from tests.unit.wc_harness import free_port
+
+    port, world = free_port(), len(jobs)
+    ranks = []
+    for rank, rank_jobs in enumerate(jobs):
+        out, log = workdir / f"rank{rank}.json", workdir / f"rank{rank}.log"
+        argv = [sys.executable, "-m", module, str(rank), str(world), str(port), str(out),
+                *rank_jobs]  # fmt: skip
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
+        ranks.append((out, log, proc))
+    try:
+        for _, _, proc in ranks:
+            proc.wait(timeout=timeout)
+    finally:
+        for _, _, proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for out, log, proc in ranks:
+        assert proc.returncode == 0, log.read_text(errors="replace")[-6000:]
+        results.append(json.loads(out.read_text()))
+    return results
+

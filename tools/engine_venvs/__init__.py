@@ -60,9 +60,11 @@ VENVS: dict[str, EngineVenv] = {
     for venv in (
         # The adapter tests run in every venv; each server test and the mixed-torch test
         # once (docs/engines.md, "Verified" says why there).
-        EngineVenv("vllm", "vllm", ("test_vllm.py", "test_mixed_torch.py")),
+        EngineVenv("vllm", "vllm", ("test_vllm.py", "test_vllm_layouts.py", "test_mixed_torch.py")),
         # vLLM's CPU build: the only one whose worker starts on CPU, so the server test.
-        EngineVenv("vllm_prev", "vllm", ("test_vllm.py", "test_vllm_server.py")),
+        EngineVenv(
+            "vllm_prev", "vllm", ("test_vllm.py", "test_vllm_layouts.py", "test_vllm_server.py")
+        ),
         EngineVenv("sglang", "sglang", ("test_sglang.py", "test_sglang_server.py")),
         EngineVenv("sglang_prev", "sglang", ("test_sglang.py",)),
     )

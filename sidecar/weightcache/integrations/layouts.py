@@ -242,8 +242,19 @@ def storage_report(model: nn.Module, attached: AttachedWeights, own: dict[str, s
             load.mapped_bytes += nbytes
         else:
             load.copied[name] = own.get(name, "not in the daemon's memory after post-processing")
-            load.copied_bytes += nbytes
+            # Post-processing may leave an empty placeholder and keep its own form of the
+            # weight elsewhere (vLLM's CPU GEMM packing): the engine holds at least the
+            # layout's bytes of it.
+            view = attached.tensors.get(name)
+            held = 0 if view is None else view.numel() * view.element_size()
+            load.copied_bytes += max(nbytes, held)
     return load
+
+
+def describe_copied(copied: dict[str, str]) -> str:
+    """The first few parameters in engine memory and why, for the adapters' log line."""
+    shown = [f"{name} ({why})" for name, why in sorted(copied.items())[:5]]
+    return ", ".join(shown) + (f" and {len(copied) - 5} more" if len(copied) > 5 else "")
 
 
 def _check_view(name: str, view: torch.Tensor, param: torch.Tensor) -> None:

@@ -182,7 +182,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError:
+            # An engine kernel with no meta implementation (vLLM's CPU build repacks MoE
+            # experts with one). During post-processing, one that returns nothing and
+            # declares what it writes is followed as writing those, whatever it computes.
+            if self.phase != "post" or not _writes_only(func):
+                raise
+            out = None
         self._observe(func, args, kwargs, out)
         return out
 
@@ -395,6 +403,14 @@ class _Recorder(TorchDispatchMode):
             if part.piece.unknown is not None:
                 return part.piece.unknown
         return parts
+
+
+def _writes_only(func) -> bool:
+    """An operator that returns nothing and writes some of its arguments."""
+    schema = func._schema
+    return not schema.returns and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 def _same_view(a: torch.Tensor, b: object) -> bool:

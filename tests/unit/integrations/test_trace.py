@@ -147,6 +147,62 @@ def test_post_processing_must_leave_parameters_alone() -> None:
     assert failed.post_error is not None and "meta" in failed.post_error
 
 
+# Engine kernels with a CPU implementation and none for meta, as vLLM's CPU build registers
+# its weight repacking (`_C::prepack_moe_weight(Tensor weight, Tensor(a!) packed, str isa)`).
+_KERNELS = torch.library.Library("wc_trace_test", "DEF")
+_KERNELS.define("repack(Tensor weight, Tensor(a!) packed) -> ()")
+_KERNELS.define("scaled(Tensor weight) -> Tensor")
+_KERNELS.impl("repack", lambda weight, packed: packed.copy_(weight.flip(0)), "CPU")
+_KERNELS.impl("scaled", lambda weight: weight * 2, "CPU")
+
+
+def test_a_post_processing_kernel_without_meta_support_is_followed_by_what_it_writes() -> None:
+    """One that returns nothing and declares what it writes is followed as writing that
+    (the parameters it ends up in are reported); any other stays a post_error, and during
+    loading nothing is assumed."""
+    tensors = checkpoint(layers=1)
+    repack, scaled = torch.ops.wc_trace_test.repack, torch.ops.wc_trace_test.scaled
+
+    def traced_with(post, load=None):
+        model = meta_model(layers=1)
+        return trace_load(model, sources(tensors), load or model.load_weights,
+                          post_process=lambda: post(model))  # fmt: skip
+
+    def repacks_into_a_new_parameter(model):
+        layer = model.layers[0]
+        packed = torch.empty_like(layer.o_proj)
+        repack(layer.o_proj, packed)
+        layer.o_proj = nn.Parameter(packed, requires_grad=False)
+
+    def repacks_in_place(model):
+        repack(model.norm.clone(), model.norm)
+
+    replaced = traced_with(repacks_into_a_new_parameter)
+    assert replaced.post_error is None and replaced.copied == {}
+    assert replaced.post_processed == {
+        "layers.0.o_proj": ("replaces", "replaced by post-processing")
+    }
+    in_place = traced_with(repacks_in_place)
+    assert in_place.post_error is None
+    assert in_place.post_processed == {
+        "norm": ("writes", "post-processing writes it (wc_trace_test.repack.default)")
+    }
+    computed = traced_with(lambda model: scaled(model.norm))  # its result's shape is unknown
+    assert computed.post_error is not None and "wc_trace_test::scaled" in computed.post_error
+
+    def loads_through_the_kernel(model):
+        def load(weights):
+            for name, t in weights:
+                if name == "model.norm.weight":
+                    repack(t, model.norm)
+
+        return load
+
+    model = meta_model(layers=1)
+    with pytest.raises(NotImplementedError, match="wc_trace_test::repack"):
+        trace_load(model, sources(tensors), loads_through_the_kernel(model))
+
+
 def test_a_stacked_and_transposed_loader_is_followed() -> None:
     """Experts stacked with torch.stack, then copied transposed into a [E, in, out] param."""
     tensors = checkpoint(layers=1)

@@ -43,6 +43,7 @@ from weightcache.devices import gpu_uuid
 from weightcache.integrations.layouts import (
     LayoutDecision,
     LayoutLoad,
+    describe_copied,
     engine_layout,
     map_engine_layout,
     storage_report,
@@ -203,7 +204,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             "parameter(s) (%d bytes) mapped zero-copy, %d (%d bytes) in engine memory%s",
             layout.attached.config.plan[:12], layout.attached.transport,
             layout.attached.daemon_pid, len(load.mapped), load.mapped_bytes, len(load.copied),
-            load.copied_bytes, f": {_reasons(load.copied)}" if load.copied else "",
+            load.copied_bytes, f": {describe_copied(load.copied)}" if load.copied else "",
         )  # fmt: skip
         return model.eval()
 
@@ -278,11 +279,6 @@ class WeightcacheModelLoader(BaseModelLoader):
         return DefaultModelLoader(
             dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
         )
-
-
-def _reasons(copied: dict[str, str]) -> str:
-    shown = [f"{name} ({why})" for name, why in sorted(copied.items())[:5]]
-    return ", ".join(shown) + (f" and {len(copied) - 5} more" if len(copied) > 5 else "")
 
 
 def _refuse_weight_updates(weights: object = None, *args: object, **kwargs: object) -> None:

