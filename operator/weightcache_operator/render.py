@@ -225,9 +225,14 @@ def _daemon_container(
         f"{cache.namespace}.{cache.name}",
         "--transport",
         spec.transport,
-        # The kubelet probes the pod IP, so listen on all interfaces.
+        # The pod's one listening port serves /metrics alone; liveness and readiness are
+        # exec probes over the peer-checked socket, so no reachable port decides them.
         "--http-address",
+        "none",
+        "--metrics-address",
         f"0.0.0.0:{port}",
+        "--socket-path-file",
+        socket_path_file(slot),
         # Engines run with the cache's group as their primary group.
         "--allow-gid",
         str(spec.sidecar.run_as_group),
@@ -273,7 +278,7 @@ def _daemon_container(
     if not cpu and spec.gpu_access.mode == "dra":
         resources["claims"] = [{"name": CLAIM_NAME}]
 
-    port_name = "http" if cpu else f"http-{slot}"
+    port_name = "metrics" if cpu else f"metrics-{slot}"
     container: dict[str, Any] = {
         "name": "daemon" if cpu else f"daemon-{slot}",
         "image": image,
@@ -282,13 +287,13 @@ def _daemon_container(
         "env": env,
         "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {
-            "httpGet": {"path": "/readyz", "port": port},
+            "exec": {"command": _probe_command("ready", slot)},
             "periodSeconds": 5,
-            "timeoutSeconds": 2,
+            "timeoutSeconds": 3,
             "failureThreshold": 2,
         },
         "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": port},
+            "exec": {"command": _probe_command("live", slot)},
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 6,
@@ -312,6 +317,18 @@ def _daemon_container(
     if resources:
         container["resources"] = resources
     return container
+
+
+def socket_path_file(slot: int) -> str:
+    """Where slot `slot`'s daemon records its socket's path (its name holds the GPU's UUID).
+
+    In the pod's own emptyDir: only its containers (the daemon's uid) write there.
+    """
+    return f"/tmp/weightcache-socket-{slot}"
+
+
+def _probe_command(check: str, slot: int) -> list[str]:
+    return ["weightcache-sidecar", "probe", check, "--socket-path-file", socket_path_file(slot)]
 
 
 def _cache_dir(cache: CacheRef) -> str:

@@ -178,7 +178,13 @@ class FetchLayoutRequest(_Message, tag="fetch_layout"):
     plan: LoadPlan | None = None
 
 
-Request = PingRequest | StatusRequest | FetchStateRequest | FetchLayoutRequest
+class ProbeRequest(_Message, tag="probe"):
+    """The kubelet's liveness or readiness question (``weightcache-sidecar probe``)."""
+
+    check: Literal["live", "ready"]
+
+
+Request = PingRequest | StatusRequest | FetchStateRequest | FetchLayoutRequest | ProbeRequest
 
 
 # --------------------------------------------------------------------------- replies
@@ -270,7 +276,12 @@ class FetchStateReply(_ReplyMessage, tag="fetch_state_reply"):
     retryable: bool = False
 
 
-Reply = PingReply | StatusReply | ErrorReply | FetchStateReply
+class ProbeReply(_ReplyMessage, tag="probe_reply"):
+    ok: bool
+    message: str = ""
+
+
+Reply = PingReply | StatusReply | ErrorReply | FetchStateReply | ProbeReply
 
 
 # --------------------------------------------------------------------------- hand-back

@@ -29,14 +29,13 @@ from tests.k8s.operator_flow import CPU_EXAMPLE, Api, eventually, is_ready, mini
 from tools import engine_pod
 from tools.testenv.cluster import Cluster
 from weightcache.report import DeviceReport, decode_pod_reports, report_annotations
+from weightcache_operator import render
 
 CACHE = "minilm"
 ENGINE = "minilm-engine"
 RELEASE = "weightcache"
 SYSTEM_NS = "weightcache-system"
-DAEMON_PORT = 8470  # the CRD's default spec.sidecar.httpPort
 # The daemon's socket inside its container (operator's render.CONTAINER_SOCKET_ROOT).
-DAEMON_SOCKET_ROOT = "/run/wc"
 
 
 def reports_of(pod: k8s.V1Pod) -> dict[str, DeviceReport]:
@@ -87,18 +86,12 @@ class Stack:
         return ds.spec.template.spec.security_context.run_as_group
 
     def daemon_status(self, pod: k8s.V1Pod) -> dict[str, Any]:
-        """The daemon's /status through the API server's proxy to the pod."""
-        path = (f"/api/v1/namespaces/{pod.metadata.namespace}/pods/{pod.metadata.name}:"
-                f"{DAEMON_PORT}/proxy/status")
-        return json.loads(self.kubectl("get", "--raw", path))
-
-    def daemon_socket_status(self, pod: k8s.V1Pod) -> dict[str, Any]:
         """The daemon's status over its Unix socket (`weightcache-sidecar status`, run in the
-        daemon's container): the whole status, load reason and warnings included."""
-        socket = f"{DAEMON_SOCKET_ROOT}/{self.namespace}.{CACHE}/cpu.sock"
-        return json.loads(self.kubectl("exec", "-n", pod.metadata.namespace, pod.metadata.name,
-                                       "-c", "daemon", "--", "weightcache-sidecar", "status",
-                                       "--socket", socket))
+        daemon's container; no port serves it): the whole status, load reason and warnings
+        included."""
+        return json.loads(self.kubectl(
+            "exec", "-n", pod.metadata.namespace, pod.metadata.name, "-c", "daemon", "--",
+            "weightcache-sidecar", "status", "--socket-path-file", render.socket_path_file(0)))
 
     def daemon_reported_ready(self) -> bool:
         pod = self.daemon_pod()

@@ -314,7 +314,7 @@ def test_daemon_oom_killed_engines_keep_serving_and_the_new_container_readopts(
     killed = daemon_container(pod).last_state.terminated
     assert killed is not None and killed.reason == "OOMKilled", killed
     assert not trigger.exists()  # consumed: the new container does not do it again
-    status = stack.daemon_socket_status(pod)
+    status = stack.daemon_status(pod)
     assert status["load_source"] == "readopted", status["load_reason"]
     eventually("every gate open again", lambda: all_gates_open(stack), bound=120)
     stack.steady(ENGINES)
@@ -397,7 +397,7 @@ def test_whole_node_restarted_gates_close_the_daemon_reloads_and_nothing_stale_b
         and all(process(stack, p, "engine").restarts > before.engines[p.metadata.name].restarts
                 for p in stack.engine_pods() if p.metadata.name in before.engines)
         and traffic.now()), bound=300)
-    status = stack.daemon_socket_status(pod)
+    status = stack.daemon_status(pod)
     stack.steady(ENGINES)
     until = traffic.wait_for_requests(pods=len(ENGINES))
     after = Snapshot.take(stack)
@@ -482,7 +482,7 @@ def test_socket_filesystem_full_writes_fail_clearly_serving_goes_on_next_start_r
                       "--wait=true")
         pod = eventually("a new daemon pod, ready", lambda: daemon_ready_again(
             stack, lambda p: p.metadata.uid != old.metadata.uid), bound=300)
-        status = stack.daemon_socket_status(pod)
+        status = stack.daemon_status(pod)
         assert status["load_source"] == "disk", status
         assert "no live engine to re-adopt from" in status["load_reason"], status
         assert status["warning"].startswith("manifest "), status
@@ -573,7 +573,7 @@ def test_soak_rolling_engines_and_deleted_daemons_serve_every_request(
 def status_fingerprint(stack: Stack) -> str:
     pod = stack.daemon_pod()
     assert pod is not None
-    return stack.daemon_socket_status(pod)["fingerprint"]
+    return stack.daemon_status(pod)["fingerprint"]
 
 
 def vital_signs(stack: Stack, at: float) -> dict[str, Any]:

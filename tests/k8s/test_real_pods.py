@@ -148,8 +148,8 @@ def test_a_deleted_daemon_pod_readopts_from_the_running_engine(stack: Stack) -> 
 
     new = eventually("a new daemon pod, ready", replacement, bound=300)
     status = stack.daemon_status(new)
-    # /status over HTTP leaves the load reason out (docs/security.md); the source says it.
     assert status["load_source"] == "readopted", status
+    assert "re-adopted" in status["load_reason"], status
     assert status["readopted"] is True
     daemon_uid = stack.kubectl("exec", "-n", SYSTEM_NS, new.metadata.name, "-c", "daemon",
                                "--", "python3", "-c", "import os; print(os.getuid())").strip()

@@ -1,4 +1,11 @@
-"""``weightcache-sidecar``: run the daemon (``serve``) or ask one for its status (``status``)."""
+"""``weightcache-sidecar``: run the daemon (``serve``), ask one for its status (``status``),
+or answer the kubelet's probe (``probe``).
+
+``probe`` runs every few seconds in every daemon container, so it must start
+fast: it is dispatched before anything imports torch, and the modules that do
+(the daemon, the transports, the checkpoint reader) are imported where
+``serve`` and ``status`` need them, not at the top of this module.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +15,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from weightcache.checkpoint import TORCH_DTYPES, dtype_from_name
 from weightcache.daemon.health import STALL_SECONDS
 from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS
 from weightcache.daemon.lock import DaemonAlreadyRunning
-from weightcache.daemon.seed import WAIT_SECONDS
-from weightcache.daemon.server import ServerLimits
-from weightcache.daemon.service import Daemon, DaemonOptions
-from weightcache.devices import resolve_device
 from weightcache.protocol import (
     MAX_REQUEST_BYTES,
     MAX_REQUEST_FRAME,
@@ -28,7 +31,9 @@ from weightcache.protocol import (
 )
 from weightcache.shard import PLAN_NAMES, ShardError, check_spec
 from weightcache.sockets import PeerPolicy
-from weightcache.transport import TRANSPORT_NAMES, default_daemon_transport
+
+if TYPE_CHECKING:
+    from weightcache.daemon.service import DaemonOptions
 
 
 def _http_address(value: str) -> tuple[str, int] | None:
@@ -80,6 +85,10 @@ def _positive_float(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from weightcache.checkpoint import TORCH_DTYPES
+    from weightcache.daemon.seed import WAIT_SECONDS
+    from weightcache.transport import TRANSPORT_NAMES
+
     parser = argparse.ArgumentParser(prog="weightcache-sidecar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -175,15 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
         type=_http_address,
         default=("127.0.0.1", 8470),
         help="HOST:PORT for /healthz /readyz /status /metrics, or 'none' "
-        "(default 127.0.0.1:8470; in a pod, 0.0.0.0:PORT so the kubelet can probe it)",
+        "(default 127.0.0.1:8470; a pod uses 'none': its probes are `probe`)",
+    )
+    serve.add_argument(
+        "--metrics-address",
+        type=_http_address,
+        default=None,
+        help="HOST:PORT serving /metrics alone, e.g. 0.0.0.0:PORT in a pod (default: none)",
+    )
+    serve.add_argument(
+        "--socket-path-file",
+        help="write the socket's path here once it listens (for `probe --socket-path-file`)",
     )
 
     status = sub.add_parser("status", help="print a daemon's status as JSON")
-    status.add_argument("--socket", required=True)
+    where = status.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket")
+    where.add_argument("--socket-path-file", help="a file holding the socket's path")
+    # Parsed by weightcache.daemon.probe (main dispatches it first); listed here for --help.
+    sub.add_parser("probe", add_help=False,
+                   help="exit 0 if the daemon is live/ready (`probe --help`)")
     return parser
 
 
 def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DaemonOptions:
+    from weightcache.checkpoint import dtype_from_name
+    from weightcache.daemon.server import ServerLimits
+    from weightcache.daemon.service import DaemonOptions
+    from weightcache.devices import resolve_device
+    from weightcache.transport import default_daemon_transport
+
     device, gpu = resolve_device(args.device, args.gpu_uuid)
     if args.socket_dir is not None:
         if args.cache is None:
@@ -204,7 +234,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
     if args.max_connections < 1:
         parser.error("--max-connections must be at least 1")
     transport = default_daemon_transport(device) if args.transport == "auto" else args.transport
-    uids = frozenset(args.allow_uid) or frozenset({os.getuid()})
+    # The daemon's own uid always (its probes); by default no other.
+    uids = frozenset(args.allow_uid) | {os.getuid()}
     return DaemonOptions(
         model_dir=args.model,
         device=device,
@@ -219,6 +250,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
             args.max_frame, args.max_connections, args.timeout, args.max_request_bytes
         ),
         http_address=args.http_address,
+        metrics_address=args.metrics_address,
+        socket_path_file=args.socket_path_file,
         stall_seconds=args.stall_seconds,
         readopt_seconds=args.readopt_seconds,
         peer_seed=args.peer_seed,
@@ -231,6 +264,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
 def _serve(options: DaemonOptions) -> int:
     """Run the daemon; inside a pod (POD_NAME/POD_NAMESPACE set) also report to Kubernetes."""
     from weightcache.daemon.reporter import PodReporter
+    from weightcache.daemon.service import Daemon
 
     daemon = Daemon(options)
     reporter = PodReporter.from_env()
@@ -245,6 +279,11 @@ def _serve(options: DaemonOptions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["probe"]:
+        from weightcache.daemon.probe import main as probe
+
+        return probe(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -252,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "status":
         from weightcache.client import daemon_status
+        from weightcache.daemon.probe import read_socket_path
 
         try:
-            status = daemon_status(args.socket)
+            status = daemon_status(args.socket or read_socket_path(args.socket_path_file))
         except (OSError, RuntimeError) as exc:
             print(f"weightcache-sidecar: {exc}", file=sys.stderr)
             return 1

@@ -1,29 +1,34 @@
-"""The daemon's HTTP side: probes, status JSON and Prometheus metrics.
+"""The daemon's HTTP side: Prometheus metrics, and (on loopback) probes and status JSON.
 
-The server is bounded: a fixed pool of handler threads started once, an
-accepted connection waits for one in a short queue, and past that it is
-closed at once (counted in ``weightcache_http_dropped_connections_total``).
-Each connection has ``request_seconds`` to send its whole request: a client
-trickling bytes or sitting idle loses its connection, never a thread for
-long. One request per connection (HTTP/1.0), as probes and scrapers send.
+Nothing here decides whether the daemon is alive or ready in Kubernetes: the
+kubelet asks over the peer-checked Unix socket (``weightcache-sidecar
+probe``), so no port anyone can reach takes a daemon out of service. In a pod
+the only listener is ``--metrics-address`` (``/metrics`` alone); outside one,
+``--http-address`` serves all four paths on loopback by default.
 
-``/status`` here is a public summary: the listen address is usually the pod
-IP, reachable from other pods. Socket paths, error text and the re-adoption
-reason stay on the peer-checked Unix socket (``weightcache-sidecar status``)
-and in the logs.
+The server is an asyncio loop on a thread of its own, and it answers only
+complete requests: a connection costs a few KiB and no thread until its
+request head has arrived, so idle or trickling clients hold nothing anyone
+else needs. Each connection has ``request_seconds`` for its whole exchange and
+``request_bytes`` for its request head; at most ``per_source`` connections
+are open from one address and ``connections`` from all; past those a
+connection is closed at once (``weightcache_http_dropped_connections_total``).
+One request per connection (HTTP/1.0), as probes and scrapers send.
+
+``/status`` is a public summary: socket paths, error text and the
+re-adoption reason stay on the peer-checked Unix socket
+(``weightcache-sidecar status``) and in the logs.
 """
 
 from __future__ import annotations
 
-import io
+import asyncio
 import logging
-import queue
 import socket
 import threading
-import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Protocol
 
 import msgspec
@@ -38,13 +43,16 @@ log = logging.getLogger(__name__)
 
 # Free text and paths: kept off the network-facing /status.
 PRIVATE_STATUS_FIELDS = ("socket", "error", "load_reason", "warning")
+ALL_PATHS = frozenset({"/healthz", "/readyz", "/status", "/metrics"})
+METRICS_PATHS = frozenset({"/metrics"})
 
 
 @dataclass(frozen=True)
 class HttpLimits:
-    workers: int = 4
-    queued: int = 16
+    connections: int = 512
+    per_source: int = 16
     request_seconds: float = 5.0
+    request_bytes: int = 8192
 
 
 class DaemonView(Protocol):
@@ -122,130 +130,121 @@ class DaemonCollector:
         yield conns
         dropped = CounterMetricFamily(
             "weightcache_http_dropped_connections",
-            "HTTP connections closed unanswered: every handler busy and the queue full",
+            "HTTP connections closed unanswered: too many open, from one address or in all",
         )
         dropped.add_metric([], self._http_dropped())
         yield dropped
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, all of them due by one deadline (a per-read timeout is not enough:
-    a byte every few seconds would keep a handler forever)."""
+class HttpServer:
+    """Serves ``paths`` on ``host:port`` from a thread of its own until :meth:`close`."""
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock = sock
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self._sock.settimeout(remaining)
-        return self._sock.recv_into(buffer)
-
-
-class BoundedHTTPServer(HTTPServer):
-    """``limits.workers`` handler threads, ``limits.queued`` waiting connections, no more."""
-
-    request_queue_size = 64
-
-    def __init__(self, address: tuple[str, int], handler, limits: HttpLimits) -> None:
-        super().__init__(address, handler)
-        self.limits = limits
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        daemon: DaemonView,
+        paths: frozenset[str] = ALL_PATHS,
+        limits: HttpLimits | None = None,
+    ) -> None:
+        self.limits = limits or HttpLimits()
         self.dropped = 0
-        self._waiting: queue.Queue = queue.Queue(limits.queued)
-        self._workers = [
-            threading.Thread(target=self._work, daemon=True, name=f"http-{i}")
-            for i in range(limits.workers)
-        ]
-        for worker in self._workers:
-            worker.start()
+        self._daemon = daemon
+        self._paths = paths
+        self._open: Counter[str] = Counter()
+        self._registry = CollectorRegistry()
+        self._registry.register(DaemonCollector(daemon, lambda: self.dropped))
+        # Bound here, so a port in use fails the daemon's start, not a thread.
+        self._listener = socket.create_server((host, port), backlog=1024)
+        self.port = self._listener.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._stopped: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="http")
+        self._thread.start()
 
-    def process_request(self, request, client_address) -> None:
+    def close(self) -> None:
+        """Stop serving; connections in progress are cut."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop)
+            self._thread.join(10)
+
+    def _stop(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+
+    def _run(self) -> None:
         try:
-            self._waiting.put_nowait((request, client_address))
-        except queue.Full:
+            self._loop.run_until_complete(self._main())
+        except Exception:
+            log.exception("the HTTP server stopped")
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._stopped = asyncio.Event()
+        server = await asyncio.start_server(
+            self._serve, sock=self._listener, limit=self.limits.request_bytes
+        )
+        async with server:
+            await self._stopped.wait()
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) else "?"
+        if (sum(self._open.values()) >= self.limits.connections
+                or self._open[source] >= self.limits.per_source):
             self.dropped += 1
-            self.shutdown_request(request)
+            writer.transport.abort()
+            return
+        self._open[source] += 1
+        try:
+            await asyncio.wait_for(self._exchange(reader, writer), self.limits.request_seconds)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ConnectionError):
+            pass  # an idle, slow, oversized or vanished client: nothing more to say
+        finally:
+            self._open[source] -= 1
+            if not self._open[source]:
+                del self._open[source]
+            writer.transport.abort()  # a no-op once the answer went out and the socket closed
 
-    def _work(self) -> None:
-        while True:
-            item = self._waiting.get()
-            if item is None:
-                return
-            request, client_address = item
-            try:
-                self.finish_request(request, client_address)
-            except Exception:
-                self.handle_error(request, client_address)
-            finally:
-                self.shutdown_request(request)
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                        ) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.write(self._answer(head))
+        writer.close()  # after the answer is flushed
+        await writer.wait_closed()
 
-    def handle_error(self, request, client_address) -> None:
-        log.debug("HTTP request from %s failed", client_address, exc_info=True)
-
-    def server_close(self) -> None:
-        super().server_close()
-        while True:
-            try:
-                item = self._waiting.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self.shutdown_request(item[0])
-        for _ in self._workers:
-            try:
-                self._waiting.put_nowait(None)
-            except queue.Full:
-                break
+    def _answer(self, head: bytes) -> bytes:
+        method, _, rest = head.partition(b" ")
+        path = rest.split(b" ", 1)[0].split(b"?", 1)[0].decode("latin-1")
+        if method != b"GET":
+            return _response(405, b"only GET\n", "text/plain")
+        if path not in self._paths:
+            return _response(404, b"not found\n", "text/plain")
+        if path == "/healthz":
+            return _probe(self._daemon.liveness())
+        if path == "/readyz":
+            return _probe(self._daemon.readiness())
+        if path == "/status":
+            body = msgspec.json.encode(public_status(self._daemon.status()))
+            return _response(200, body, "application/json")
+        return _response(200, generate_latest(self._registry), CONTENT_TYPE_LATEST)
 
 
-def start_http_server(
-    host: str, port: int, daemon: DaemonView, limits: HttpLimits | None = None
-) -> BoundedHTTPServer:
-    limits = limits or HttpLimits()
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+            503: "Service Unavailable"}
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = limits.request_seconds  # each write; reads share one deadline (setup)
 
-        def setup(self) -> None:
-            super().setup()
-            self.rfile.close()
-            deadline = time.monotonic() + limits.request_seconds
-            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+def _probe(probe: Probe) -> bytes:
+    return _response(probe.code, probe.body.encode(), "text/plain")
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            path = self.path.split("?", 1)[0]
-            if path == "/healthz":
-                self._probe(daemon.liveness())
-            elif path == "/readyz":
-                self._probe(daemon.readiness())
-            elif path == "/status":
-                body = msgspec.json.encode(public_status(daemon.status()))
-                self._send(200, body, "application/json")
-            elif path == "/metrics":
-                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-            else:
-                self._send(404, b"not found\n", "text/plain")
 
-        def _probe(self, probe: Probe) -> None:
-            self._send(probe.code, probe.body.encode(), "text/plain")
-
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # probes are noisy
-            pass
-
-    server = BoundedHTTPServer((host, port), Handler, limits)
-    registry = CollectorRegistry()
-    registry.register(DaemonCollector(daemon, lambda: server.dropped))
-    threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
-    return server
+def _response(code: int, body: bytes, content_type: str) -> bytes:
+    head = (f"HTTP/1.0 {code} {_REASONS.get(code, '')}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n")
+    return head.encode("latin-1") + body

@@ -6,7 +6,10 @@ thread cannot be started (out of threads or memory): nothing one connection
 meets ends the accept loop. Only a broken listener does, and then
 :attr:`SocketServer.died` says so (liveness and readiness fail). Any bad frame
 is answered with an error and its connection closed; other clients never
-notice.
+notice. When every slot is taken, a connection from the daemon's own uid
+gets one of PROBE_SLOTS more, in which it may ask a liveness or readiness
+probe (``weightcache-sidecar probe``) and nothing else: engines crowding the
+socket cannot fail the daemon's probes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from weightcache.protocol import (
     FetchStateRequest,
     PingReply,
     PingRequest,
+    ProbeReply,
+    ProbeRequest,
     ProtocolError,
     Request,
     StatusReply,
@@ -44,6 +49,8 @@ from weightcache.wire import PeerClosed, recv_frame, send_message
 log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 1024
+# Beyond max_connections, for the daemon's own probes only.
+PROBE_SLOTS = 4
 # accept() errors that mean the listening socket itself is unusable.
 _BROKEN_LISTENER = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EOPNOTSUPP})
 
@@ -100,8 +107,10 @@ class SocketServer:
     """Serves requests on ``listener`` until :meth:`stop`.
 
     ``holdings`` returns the daemon's layouts (a :class:`~.layouts.Holdings`,
-    None while loading) and ``status`` the current DaemonStatus, so the server
-    never caches state that the service may change.
+    None while loading), ``status`` the current DaemonStatus and ``probe`` the
+    answer to a liveness (``"live"``) or readiness (``"ready"``) probe, so the
+    server never caches state that the service may change. ``probe_uid`` (the
+    daemon's own) may probe past ``max_connections`` (PROBE_SLOTS).
     """
 
     def __init__(
@@ -111,6 +120,8 @@ class SocketServer:
         limits: ServerLimits,
         holdings: Callable[[], Any],
         status: Callable[[], object],
+        probe: Callable[[str], tuple[bool, str]] | None = None,
+        probe_uid: int | None = None,
     ) -> None:
         self._listener = listener
         # Set here, not in serve_forever: stop() may close the listener before that runs.
@@ -119,7 +130,10 @@ class SocketServer:
         self._limits = limits
         self._holdings = holdings
         self._status = status
+        self._probe = probe
+        self._probe_uid = probe_uid
         self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._probe_slots = threading.BoundedSemaphore(PROBE_SLOTS)
         self._request_bytes = RequestBytes(limits.max_request_bytes)
         self._stopping = threading.Event()
         self._threads: set[threading.Thread] = set()
@@ -200,14 +214,18 @@ class SocketServer:
             log.warning("refused peer pid=%d uid=%d gid=%d: not in the allowlist", pid, uid, gid)
             self._reply_and_close(conn, f"peer uid {uid} / gid {gid} is not allowed")
             return
-        if not self._slots.acquire(blocking=False):
-            self.counters.count(self.counters.refused, "busy")
-            self._reply_and_close(
-                conn, f"busy: {self._limits.max_connections} connections in progress",
-                retryable=True,
-            )
-            return
-        thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
+        slot = self._slots
+        if not slot.acquire(blocking=False):
+            # Every slot taken (engines crowding in): the daemon's own probes still pass.
+            slot = self._probe_slots
+            if uid != self._probe_uid or not slot.acquire(blocking=False):
+                self.counters.count(self.counters.refused, "busy")
+                self._reply_and_close(
+                    conn, f"busy: {self._limits.max_connections} connections in progress",
+                    retryable=True,
+                )
+                return
+        thread = threading.Thread(target=self._serve_connection, args=(conn, slot), daemon=True)
         # Started and registered under one lock: stop() joins every registered thread, and
         # joining one not yet started raises (a SIGTERM right after an accept once ended
         # the daemon with "cannot join thread before it is started" instead of draining).
@@ -219,7 +237,7 @@ class SocketServer:
             else:
                 self._threads.add(thread)
                 return
-        self._slots.release()
+        slot.release()
         self.counters.count(self.counters.refused, "thread_start")
         log.warning("cannot start a thread for pid %d (%s); refused it", pid, failure)
         self._reply_and_close(
@@ -236,13 +254,21 @@ class SocketServer:
             pass
         conn.close()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _serve_connection(self, conn: socket.socket, slot: threading.BoundedSemaphore) -> None:
+        probes_only = slot is self._probe_slots
         with self.counters.lock:
             self.counters.active += 1
         try:
             while not self._stopping.is_set():
                 request = self._read_request(conn)
                 if request is None:
+                    return
+                if probes_only and not isinstance(request, ProbeRequest):
+                    self.counters.count(self.counters.refused, "busy")
+                    self._reply_and_close(
+                        conn, f"busy: {self._limits.max_connections} connections in progress",
+                        retryable=True,
+                    )
                     return
                 self._answer(conn, request)
         except (TimeoutError, OSError) as exc:
@@ -252,7 +278,7 @@ class SocketServer:
             conn.close()
             with self.counters.lock:
                 self.counters.active -= 1
-            self._slots.release()
+            slot.release()
             with self._threads_lock:
                 self._threads.discard(threading.current_thread())
 
@@ -291,6 +317,13 @@ class SocketServer:
         elif isinstance(request, StatusRequest):
             send_message(conn, StatusReply(v=1, status=self._status()))
             op = "status"
+        elif isinstance(request, ProbeRequest):
+            if self._probe is None:
+                ok, message = False, "this server answers no probes"
+            else:
+                ok, message = self._probe(request.check)
+            send_message(conn, ProbeReply(v=1, ok=ok, message=message))
+            op = "probe"
         elif isinstance(request, FetchStateRequest):
             op = "fetch_state"
             self._fetch_state(conn, request)

@@ -14,7 +14,7 @@ import torch
 
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.daemon import digest_cuda, faults, health
-from weightcache.daemon.http import start_http_server
+from weightcache.daemon.http import ALL_PATHS, METRICS_PATHS, HttpServer
 from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS, Holdings
 from weightcache.daemon.lock import DeviceLock, lock_path
 from weightcache.daemon.manifest import remove_manifest, save_manifest
@@ -41,7 +41,11 @@ class DaemonOptions:
     revision: str | None = None
     policy: PeerPolicy = field(default_factory=lambda: PeerPolicy(frozenset({os.getuid()})))
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # All four HTTP paths (loopback outside a pod), and /metrics alone (a pod's only port).
     http_address: tuple[str, int] | None = None
+    metrics_address: tuple[str, int] | None = None
+    # Where to record the socket's path for `weightcache-sidecar probe` (a pod's probes).
+    socket_path_file: str | None = None
     drain_seconds: float = 10.0
     # /healthz fails once a load makes no progress for this long (see daemon.health).
     stall_seconds: float = health.STALL_SECONDS
@@ -76,8 +80,8 @@ class Daemon:
         r = self._resident
         served = 0
         if self._server is not None:
-            with self._server.counters.lock:
-                served = sum(self._server.counters.served.values())
+            with self._server.counters.lock:  # the kubelet's probes are no clients
+                served = sum(n for op, n in self._server.counters.served.items() if op != "probe")
         h = self._holdings
         # Every layout held: the checkpoint's (unless dropped) and engines'.
         held, expected = h.totals() if h else (0, 0)
@@ -117,6 +121,11 @@ class Daemon:
     def readiness(self) -> health.Probe:
         accepting = self._server is not None and self._server.accepting
         return health.readiness(state=self._state, accepting=accepting)
+
+    def probe(self, check: str) -> tuple[bool, str]:
+        """A probe over the socket: ``"live"`` or ``"ready"``, as (yes, why)."""
+        answer = self.liveness() if check == "live" else self.readiness()
+        return answer.code == 200, answer.body.strip()
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -173,12 +182,18 @@ class Daemon:
         # Under the device lock, so replacing a stale socket file is ours to do.
         listener = listen_unix(opts.socket_path, backlog=128)
         self._server = SocketServer(
-            listener, opts.policy, opts.limits, lambda: self._holdings, self.status
+            listener, opts.policy, opts.limits, lambda: self._holdings, self.status, self.probe,
+            probe_uid=os.geteuid(),
         )
-        http = None
-        if opts.http_address is not None:
-            http = start_http_server(*opts.http_address, self)
+        https = [
+            HttpServer(*address, self, paths)
+            for address, paths in ((opts.http_address, ALL_PATHS),
+                                   (opts.metrics_address, METRICS_PATHS))
+            if address is not None
+        ]
         threading.Thread(target=self._server.serve_forever, daemon=True, name="socket").start()
+        if opts.socket_path_file is not None:
+            write_socket_path(opts.socket_path_file, opts.socket_path)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
@@ -256,9 +271,8 @@ class Daemon:
             if obtained is not None:
                 obtained.release()
             drained = self._server.stop(opts.drain_seconds)
-            if http is not None:
-                http.shutdown()
-                http.server_close()
+            for http in https:
+                http.close()
             # A connection still sending must not see its fds closed (and their
             # numbers reused) under it; the process exit releases them instead.
             if drained:
@@ -277,3 +291,11 @@ class Daemon:
 def _manifest_warning(held: list[ResidentWeights]) -> str | None:
     """The first layout whose manifest could not be written (its successor reloads it)."""
     return next((r.manifest_error for r in held if r.manifest_error), None)
+
+
+def write_socket_path(path_file: str, socket_path: str) -> None:
+    """Record the socket's path for the probes, replacing the file in one step."""
+    tmp = f"{path_file}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(socket_path + "\n")
+    os.replace(tmp, path_file)

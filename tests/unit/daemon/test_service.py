@@ -225,8 +225,11 @@ def test_sigterm_exits_cleanly_removes_the_socket_and_engines_keep_their_weights
 def test_http_listens_on_loopback_unless_told_otherwise() -> None:
     args = ["serve", "--model", "m", "--socket", "/tmp/s"]
     assert build_parser().parse_args(args).http_address == ("127.0.0.1", 8470)
-    pod = build_parser().parse_args([*args, "--http-address", "0.0.0.0:8470"])
-    assert pod.http_address == ("0.0.0.0", 8470)  # what the operator renders: kubelet probes
+    assert build_parser().parse_args(args).metrics_address is None
+    # What the operator renders: /metrics alone on the pod's network, nothing else.
+    pod = build_parser().parse_args([*args, "--http-address", "none",
+                                     "--metrics-address", "0.0.0.0:8470"])
+    assert (pod.http_address, pod.metrics_address) == (None, ("0.0.0.0", 8470))
 
 
 def test_a_load_stuck_on_io_fails_liveness(daemons, tmp_path) -> None:

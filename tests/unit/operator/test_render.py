@@ -91,7 +91,10 @@ def test_cpu_daemonset_shape() -> None:
     assert arg(container, "--transport") == "memfd"
     assert arg(container, "--cache") == "team.minilm"
     assert arg(container, "--socket-dir") == CONTAINER_SOCKET_ROOT
-    assert arg(container, "--http-address") == "0.0.0.0:8470"
+    # Only /metrics listens on the pod's network; the probes go over the socket.
+    assert arg(container, "--http-address") == "none"
+    assert arg(container, "--metrics-address") == "0.0.0.0:8470"
+    assert container["ports"] == [{"name": "metrics", "containerPort": 8470, "protocol": "TCP"}]
     assert arg(container, "--allow-gid") == "65533"
     assert "--allow-uid" not in container["args"]
     assert arg(container, "--tp-size") is None
@@ -107,8 +110,14 @@ def test_cpu_daemonset_shape() -> None:
     assert ds["spec"]["template"]["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION] == (
         spec_hash(spec)
     )
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8470}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8470}
+    path_file = arg(container, "--socket-path-file")
+    assert path_file.startswith("/tmp/")  # the pod's own emptyDir
+    assert container["readinessProbe"]["exec"]["command"] == [
+        "weightcache-sidecar", "probe", "ready", "--socket-path-file", path_file]
+    assert container["livenessProbe"]["exec"]["command"] == [
+        "weightcache-sidecar", "probe", "live", "--socket-path-file", path_file]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "httpGet" not in container[probe] and "tcpSocket" not in container[probe]
 
 
 @pytest.mark.parametrize(("rollout", "max_unavailable"),
@@ -201,7 +210,9 @@ def test_one_container_per_gpu_with_tp_ranks_and_ports() -> None:
     assert {arg(c, "--shard-plan") for c in containers} == {"llama"}
     ports = [c["ports"][0]["containerPort"] for c in containers]
     assert ports == list(range(8470, 8478))
-    assert [c["readinessProbe"]["httpGet"]["port"] for c in containers] == ports
+    files = [arg(c, "--socket-path-file") for c in containers]
+    assert len(set(files)) == 8
+    assert [c["readinessProbe"]["exec"]["command"][-1] for c in containers] == files
     for c in containers:
         assert env(c)["NVIDIA_VISIBLE_DEVICES"] == "all"
         assert env(c)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
@@ -348,6 +359,7 @@ def test_render_hash_tracks_content_not_bookkeeping() -> None:
 def test_the_daemon_cli_accepts_what_is_rendered(raw: dict) -> None:
     """The arguments parse with the daemon's own parser, and mean what the spec says."""
     from weightcache.daemon.cli import build_parser
+    from weightcache.daemon.probe import build_parser as probe_parser
 
     for container in pod(render(raw))["containers"]:
         assert container["command"] == ["weightcache-sidecar"]
@@ -356,4 +368,10 @@ def test_the_daemon_cli_accepts_what_is_rendered(raw: dict) -> None:
         assert args.cache == ("team", "minilm")
         assert args.socket_dir == CONTAINER_SOCKET_ROOT
         assert str(args.model) == "/weightcache/model"
-        assert args.http_address[1] == container["ports"][0]["containerPort"]
+        assert args.http_address is None
+        assert args.metrics_address[1] == container["ports"][0]["containerPort"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            command = container[probe]["exec"]["command"]
+            assert command[:2] == ["weightcache-sidecar", "probe"]
+            probe_args = probe_parser().parse_args(command[2:])
+            assert probe_args.socket_path_file == args.socket_path_file
