@@ -129,6 +129,120 @@ def test_three_rollouts_attach_bit_equal_while_the_weights_stay_resident(stack: 
     assert len(loads) == 1, loads
 
 
+# Inside the flood pod: keep `conns` idle TCP connections open to the daemon's one port,
+# reopening each one the daemon closes, for `seconds`; report what happened as JSON.
+FLOOD = r"""
+import json, socket, sys, time
+host, port, seconds, conns = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+
+def closed(s):
+    try:
+        return s.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+held, opened, failed, cut = [], 0, 0, 0
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    alive = [s for s in held if not closed(s)]
+    cut += len(held) - len(alive)
+    held = alive
+    while len(held) < conns:
+        try:
+            held.append(socket.create_connection((host, port), timeout=2))
+            opened += 1
+        except OSError:
+            failed += 1
+            break
+    time.sleep(0.2)
+print(json.dumps({"opened": opened, "failed": failed, "cut": cut, "held_at_end": len(held)}))
+"""
+FLOOD_SECONDS = 45
+FLOOD_CONNECTIONS = 64
+
+
+def flood_pod(image: str, node: str, host: str, port: int) -> dict[str, Any]:
+    """A non-root pod of another namespace, as any tenant may run one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "flood"},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 4242, "runAsGroup": 4242,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "flood", "image": image, "imagePullPolicy": "Never",
+                "command": ["python", "-c", FLOOD, host, str(port), str(FLOOD_SECONDS),
+                            str(FLOOD_CONNECTIONS)],
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}},
+            }],
+        },
+    }
+
+
+def test_a_tenant_flooding_the_daemons_port_takes_no_engine_out_of_service(
+    stack: Stack,
+) -> None:
+    """Issue 25 item 1: a non-root pod in another namespace held 24 idle connections to the
+    daemon's probe port; within 9 s the daemon went NotReady, the gate closed and the engine
+    with it. Now no reachable port decides readiness (exec probes over the daemon's socket),
+    and the one port left, /metrics, holds no worker for an idle connection.
+
+    The testenv's pod network (ptp veths, no NetworkPolicy controller) does not enforce the
+    chart's NetworkPolicy, so the flood reaches the daemon here, as it would in a cluster
+    whose CNI ignores policies: the fix must hold without enforcement.
+    """
+    stack.steady()
+    daemon = stack.daemon_pod()
+    (engine,) = stack.engine_pods()
+    assert daemon is not None and daemon.status.pod_ip
+    (container,) = daemon.spec.containers
+    (port,) = [p.container_port for p in container.ports]
+    restarts = daemon.status.container_statuses[0].restart_count
+    attacker = f"tenant-{uuid.uuid4().hex[:6]}"
+    stack.kubectl("create", "namespace", attacker)
+    try:
+        stack.kubectl("apply", "-n", attacker, "-f", "-", input=json.dumps(flood_pod(
+            stack.refs["operator"], stack.node, daemon.status.pod_ip, port)))
+        label = names.node_label_key(stack.namespace, CACHE)
+        samples: list[tuple[bool, tuple[str, str] | None, bool, str | None]] = []
+        scrapes: list[bool] = []
+
+        def flood_done() -> dict[str, Any] | None:
+            d = stack.daemon_pod()
+            e = stack.api.core.read_namespaced_pod(engine.metadata.name, stack.namespace)
+            samples.append((d is not None and is_ready(d), gate_of(e), is_ready(e),
+                            stack.api.node_labels(stack.node).get(label)))
+            # A scraper from another address is served while the flood lasts.
+            scrapes.append("weightcache_ready" in stack.kubectl(
+                "get", "--raw", f"/api/v1/namespaces/{stack.namespace}/pods/"
+                f"{daemon.metadata.name}:{port}/proxy/metrics"))
+            pod = stack.api.core.read_namespaced_pod("flood", attacker)
+            if pod.status.phase not in ("Succeeded", "Failed"):
+                return None
+            logs = stack.kubectl("logs", "-n", attacker, "flood")
+            return json.loads(logs.strip().splitlines()[-1])
+
+        outcome = eventually("the flood pod finishes", flood_done, bound=FLOOD_SECONDS + 180)
+    finally:
+        stack.kubectl("delete", "namespace", attacker, "--wait=false")
+    # The flood was real: it connected again and again, and the daemon cut what it held.
+    assert outcome["opened"] > FLOOD_CONNECTIONS and outcome["cut"] > 0, outcome
+    assert len(samples) >= 10, samples
+    assert all(samples[i] == (True, ("True", "WeightsResident"), True, "Ready")
+               for i in range(len(samples))), samples
+    assert all(scrapes), scrapes
+    after = stack.daemon_pod()
+    assert after is not None and after.metadata.uid == daemon.metadata.uid
+    assert after.status.container_statuses[0].restart_count == restarts
+
+
 def test_a_deleted_daemon_pod_readopts_from_the_running_engine(stack: Stack) -> None:
     stack.steady()
     old = stack.daemon_pod()

@@ -208,3 +208,39 @@ def test_webhook_and_csi_can_be_left_out(render: Renderer) -> None:
     assert not [d for d in docs if d["kind"] in ("MutatingWebhookConfiguration", "CSIDriver")]
     operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert not [a for a in operator["args"] if a.startswith("--webhook")]
+
+
+def test_network_policies_admit_only_the_scrapers_to_daemons_and_operator(
+    render: Renderer,
+) -> None:
+    from weightcache_operator import render as daemon_render
+
+    docs = render(set_values=["daemon.namespace=daemons"])
+    policy = one(docs, "NetworkPolicy", "-daemons")
+    assert policy["metadata"]["namespace"] == "daemons"
+    # It selects the pods the operator renders, and by default admits nobody.
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= daemon_render.selector_labels("ns", "any").items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == []
+    operator = one(docs, "NetworkPolicy", "-weightcache-operator")
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert operator["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    rule, webhook = operator["spec"]["ingress"]
+    # The API server calls the webhook from an address the chart cannot know.
+    assert webhook == {"ports": [{"port": "webhook", "protocol": "TCP"}]}
+    test_pod = one(docs, "Pod", "-test")["metadata"]["labels"]
+    (peer,) = rule["from"]  # the helm test pod alone
+    assert peer["podSelector"]["matchLabels"].items() <= test_pod.items()
+    assert {p["port"] for p in rule["ports"]} == {"metrics", "health"}
+
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+    docs = render(set_values=[
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=mon",
+        "tests.enabled=false", "webhook.enabled=false",
+    ])
+    assert one(docs, "NetworkPolicy", "-daemons")["spec"]["ingress"] == [{"from": [scraper]}]
+    assert one(docs, "NetworkPolicy", "-weightcache-operator")["spec"]["ingress"][0]["from"] == [
+        scraper]
+    assert not [d for d in render(set_values=["networkPolicy.enabled=false"])
+                if d["kind"] == "NetworkPolicy"]
