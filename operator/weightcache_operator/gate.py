@@ -7,7 +7,7 @@ the pod's `weightcache.dev/weights-resident` condition. Both are pure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from weightcache.report import DeviceReport, ReportError, decode_pod_reports
@@ -24,6 +24,14 @@ BYTES_BELOW_EXPECTED = "BytesBelowExpected"
 POD_NOT_SCHEDULED = "PodNotScheduled"
 NO_WEIGHTCACHE = "NoWeightCache"
 
+# A daemon pod that was Ready and goes NotReady while its containers keep running (no
+# restart) and its own reports still say the weights are resident keeps its node's gates
+# open this long, counted from the Ready condition's transition: the kubelet marks a pod
+# NotReady after two failed probes (10 s), so one flap of the probe closes no engine's gate,
+# while a daemon that stays NotReady closes them 30 s later. A restart, a report that is no
+# longer Ready, or a pod that never was Ready gets no grace.
+FLAP_SECONDS = 30.0
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -33,6 +41,8 @@ class Verdict:
     pod: str | None = None
     # The pod's reports by device, when they could be read.
     reports: Mapping[str, DeviceReport] | None = None
+    # A verdict that holds only until then (seconds since the epoch): a debounced flap.
+    until: float | None = None
 
 
 def expected_bytes(spec: WeightCacheSpec, reported: int) -> int:
@@ -57,8 +67,15 @@ def controlled_pods(
             if p.controller_uid == daemonset.uid and p.namespace == daemonset.namespace]
 
 
-def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> Verdict:
-    """Verdict for one daemon pod; the checks run in the order a reader would debug them."""
+def evaluate_pod(
+    spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView, now: float | None = None,
+    was_ready: bool = False, flap_seconds: float = FLAP_SECONDS,
+) -> Verdict:
+    """Verdict for one daemon pod; the checks run in the order a reader would debug them.
+
+    `was_ready`: the pod was seen Ready with the restart count it has now; with `now`
+    (seconds since the epoch) it may be held open through a flap (`FLAP_SECONDS`).
+    """
 
     def fail(
         reason: str, message: str, reports: Mapping[str, DeviceReport] | None = None
@@ -104,6 +121,15 @@ def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> V
                 reports,
             )
     if pod.phase != "Running" or not pod.ready:
+        since = pod.not_ready_since
+        if (was_ready and now is not None and since is not None and pod.phase == "Running"
+                and pod.containers_running and now - since < flap_seconds):
+            return Verdict(
+                True, WEIGHTS_RESIDENT,
+                f"daemon pod {pod.name}: NotReady for {max(0.0, now - since):.0f} s, but its "
+                f"processes run and report the weights resident; held open for up to "
+                f"{flap_seconds:g} s", pod.name, reports, until=since + flap_seconds,
+            )
         return fail(DAEMON_NOT_READY, f"pod is not Ready (phase {pod.phase})", reports)
     total = sum(e.preloaded_weights_bytes for e in reports.values())
     transports = ",".join(sorted({e.transport for e in reports.values()}))
@@ -115,7 +141,9 @@ def evaluate_pod(spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView) -> V
 
 
 def evaluate_node(
-    spec: WeightCacheSpec, spec_hash: str, pods: Iterable[DaemonPodView]
+    spec: WeightCacheSpec, spec_hash: str, pods: Iterable[DaemonPodView],
+    now: float | None = None, was_ready: Callable[[DaemonPodView], bool] = lambda _: False,
+    flap_seconds: float = FLAP_SECONDS,
 ) -> Verdict:
     """Verdict for a node from all of the cache's daemon pods on it.
 
@@ -127,7 +155,8 @@ def evaluate_node(
     ordered.sort(key=lambda p: (p.terminating, p.spec_hash != spec_hash))
     if not ordered:
         return Verdict(False, NO_DAEMON_ON_NODE, "no daemon pod of this cache on the node")
-    verdicts = [evaluate_pod(spec, spec_hash, p) for p in ordered]
+    verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds)
+                for p in ordered]
     return next((v for v in verdicts if v.ok), verdicts[0])
 
 

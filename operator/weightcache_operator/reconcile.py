@@ -26,7 +26,9 @@ calls them with a recording `Kube` and plain-dict indices.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -91,11 +93,13 @@ class _Judged:
     pods: tuple[views.DaemonPodView, ...]
     verdict: gate.Verdict
 
-    def holds_for(self, generation: int, pods: list[views.DaemonPodView]) -> bool:
+    def holds_for(self, generation: int, pods: list[views.DaemonPodView], now: float) -> bool:
         # The index replaces a pod's view on every event for that pod, so the
-        # same view objects mean that nothing the verdict depends on changed.
+        # same view objects mean that nothing the verdict depends on changed
+        # (but time: a flap's grace ends).
         return (generation == self.generation and len(pods) == len(self.pods)
-                and all(a is b for a, b in zip(pods, self.pods, strict=True)))
+                and all(a is b for a, b in zip(pods, self.pods, strict=True))
+                and (self.verdict.until is None or now < self.verdict.until))
 
 
 @dataclass
@@ -105,11 +109,18 @@ class Reconciler:
     operator_uid: int
     locks: KeyedLocks = field(default_factory=KeyedLocks)
     status_interval: float = STATUS_INTERVAL
+    # A NotReady daemon pod whose reports still hold keeps its gates this long (gate.py).
+    flap_seconds: float = gate.FLAP_SECONDS
+    clock: Callable[[], float] = time.time
     # Per (uid, generation): the parsed spec and hash, and the rendered DaemonSet.
     _parsed: dict[tuple[str, int], Parsed | SpecError] = field(default_factory=dict)
     _rendered: dict[tuple[str, int], Rendered | render.RenderError] = field(default_factory=dict)
     # Per (cache uid, node): the node's last verdict.
     _judged: dict[tuple[str, str], _Judged] = field(default_factory=dict)
+    # Per daemon pod uid: its restart count when last seen Ready (a flap needs the same).
+    _ready_restarts: dict[str, int] = field(default_factory=dict)
+    # Per (cache uid, node): the pass due when a flap's grace ends.
+    _rechecks: dict[tuple[str, str], asyncio.TimerHandle] = field(default_factory=dict)
     # What this operator last wrote: status per cache uid, Ready label per (node, label),
     # gate condition per engine pod uid.
     statuses: Written[Mapping[str, Any]] = field(default_factory=Written)
@@ -153,15 +164,49 @@ class Reconciler:
             return gate.Verdict(False, aggregate.INVALID_SPEC, str(parsed))
         spec, digest = parsed
         pods = state.daemon_pods_on(cache, node)
+        now = self.clock()
+        if len(self._ready_restarts) >= VERDICT_MEMO_LIMIT:
+            self._ready_restarts.clear()
+        for pod in pods:
+            if pod.ready and pod.uid:
+                self._ready_restarts[pod.uid] = pod.restarts
         key = (cache.uid, node)
         judged = self._judged.get(key)
-        if judged is not None and judged.holds_for(cache.generation, pods):
+        if judged is not None and judged.holds_for(cache.generation, pods, now):
             return judged.verdict
-        verdict = gate.evaluate_node(spec, digest, pods)
+        verdict = gate.evaluate_node(
+            spec, digest, pods, now,
+            lambda p: p.uid in self._ready_restarts and self._ready_restarts[p.uid] == p.restarts,
+            self.flap_seconds,
+        )
         if len(self._judged) >= VERDICT_MEMO_LIMIT:
             self._judged.clear()
         self._judged[key] = _Judged(cache.generation, tuple(pods), verdict)
+        if verdict.until is not None:
+            self._recheck_at(state, cache, node, verdict.until - now)
         return verdict
+
+    def _recheck_at(self, state: State, cache: views.CacheView, node: str, delay: float) -> None:
+        """Judge the node again once a flap's grace ends (no event may come by then)."""
+        key = (cache.uid, node)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # judged outside a pass (tests of the pure parts)
+            return
+        if key in self._rechecks:
+            return
+
+        async def recheck() -> None:
+            try:
+                await self.daemon_pod(state, cache.namespace, cache.name, node)
+            except Exception:
+                log.exception("re-judging node %s after a readiness flap failed", node)
+
+        def fire() -> None:
+            self._rechecks.pop(key, None)
+            loop.create_task(recheck())
+
+        self._rechecks[key] = loop.call_later(max(0.0, delay) + 0.1, fire)
 
     # ------------------------------------------------------------------ passes
 

@@ -7,6 +7,7 @@ large clusters and give the pure decision modules plain typed input.
 from __future__ import annotations
 
 import copy
+import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,12 @@ class DaemonPodView:
     controller_uid: str | None = None
     # The cache's namespace (its label); the pod lives in the daemon namespace.
     cache_namespace: str = ""
+    uid: str = ""
+    # When the pod's Ready condition last turned False (seconds since the epoch), while it is.
+    not_ready_since: float | None = None
+    # Every container runs, and how often they restarted: a flap of the same processes only.
+    containers_running: bool = False
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,11 +144,21 @@ def cache_view(body: Mapping[str, Any]) -> CacheView:
     )
 
 
+def _epoch(timestamp: Any) -> float | None:
+    try:
+        when = datetime.datetime.strptime(str(timestamp), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+    return when.replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
 def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
     meta = _meta(body)
     status = body.get("status") or {}
     annotations = meta.get("annotations") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in _conditions(body))
+    condition = next((c for c in _conditions(body) if c.get("type") == "Ready"), {})
+    ready = condition.get("status") == "True"
+    containers = list(status.get("containerStatuses") or [])
     return DaemonPodView(
         namespace=meta.get("namespace", ""),
         name=meta["name"],
@@ -155,6 +172,11 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
         created=str(meta.get("creationTimestamp") or ""),
         controller_uid=_controller_uid(meta),
         cache_namespace=_cache_namespace(meta),
+        uid=str(meta.get("uid") or ""),
+        not_ready_since=None if ready else _epoch(condition.get("lastTransitionTime")),
+        containers_running=bool(containers) and all(
+            "running" in (c.get("state") or {}) for c in containers),
+        restarts=sum(int(c.get("restartCount") or 0) for c in containers),
     )
 
 

@@ -206,3 +206,33 @@ def test_verdicts_are_plain_values(
     again = gate.evaluate_node(gpu_spec, gpu_hash, [make_pod()])
     assert first == again
     assert dataclasses.replace(first, ok=False) != first
+
+
+def test_one_readiness_flap_of_a_daemon_whose_reports_hold_keeps_the_gate_open(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    """Issue 25 item 1: one failed readiness probe once closed every engine's gate on the
+    node. A pod that was Ready, whose processes still run and report the weights resident,
+    is held open for FLAP_SECONDS after it turns NotReady; nothing else is."""
+    since = 1_000_000.0
+    flapping = dataclasses.replace(make_pod(ready=False), not_ready_since=since,
+                                   containers_running=True)
+
+    def judge(pod: DaemonPodView, now: float, was_ready: bool = True) -> gate.Verdict:
+        return gate.evaluate_node(gpu_spec, gpu_hash, [pod], now, lambda _: was_ready)
+
+    held = judge(flapping, since + 5)
+    assert held.ok and held.until == since + gate.FLAP_SECONDS
+    assert "NotReady for 5 s" in held.message
+    closed = [
+        judge(flapping, since + gate.FLAP_SECONDS),  # the grace is over
+        judge(flapping, since + 5, was_ready=False),  # never Ready, or restarted since
+        judge(dataclasses.replace(flapping, containers_running=False), since + 5),
+        judge(dataclasses.replace(flapping, phase="Failed"), since + 5),
+        judge(dataclasses.replace(flapping, not_ready_since=None), since + 5),
+        judge(make_pod(ready=False, state="Loading"), since + 5),  # its report says so
+    ]
+    for verdict in closed:
+        assert not verdict.ok and verdict.until is None, verdict
+    # Without a clock (the pure callers of old), no grace at all.
+    assert not gate.evaluate_node(gpu_spec, gpu_hash, [flapping]).ok

@@ -8,6 +8,7 @@ not written), including the failures a real apiserver produces rarely.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -421,8 +422,8 @@ def test_one_report_costs_the_same_work_and_writes_in_any_fleet(
     judged: list[str] = []
     real = gate.evaluate_node
     monkeypatch.setattr(gate, "evaluate_node",
-                        lambda spec, digest, pods: judged.extend(p.node for p in pods)
-                        or real(spec, digest, pods))
+                        lambda spec, digest, pods, *rest: judged.extend(p.node for p in pods)
+                        or real(spec, digest, pods, *rest))
     node = nodes[1]
     loading(st, node)
 
@@ -591,3 +592,35 @@ def test_a_pod_of_another_namespace_is_gated_only_where_the_cache_lets_it_in(
                     spec={**SPEC, "engine": {**SPEC["engine"], "namespaces": ["serving"]}})
     run(reconciler.cache(state(caches=[letting], engines=[elsewhere]), NS, NAME))
     assert kube.of("gate") == [("cross", "True", gate.WEIGHTS_RESIDENT)]
+
+
+def test_a_readiness_flap_closes_no_gate_and_a_lasting_one_closes_it_when_the_grace_ends(
+    kube: RecordingKube,
+) -> None:
+    """No pod event comes when the grace ends: the operator judges the node again itself."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0,
+                            flap_seconds=0.5)
+    ready = dataclasses.replace(daemon_pod(), uid="pod-uid", containers_running=True)
+    st = state(pods=[ready])
+
+    async def flap() -> None:
+        await reconciler.cache(st, NS, NAME)
+        assert kube.conditions["engine-1"].status == "True"
+        catch_up(st, kube)
+        kube.writes.clear()
+        # The kubelet marks the pod NotReady; its processes and reports are unchanged.
+        st.daemon_pods_index[(NS, NAME, NODE)] = [dataclasses.replace(  # type: ignore[index]
+            ready, ready=False, not_ready_since=reconciler.clock())]
+        await reconciler.daemon_pod(st, NS, NAME, NODE)
+        await reconciler.flush()
+        # The gate's message may say so; it stays open and the label stays.
+        assert {g[1:] for g in kube.of("gate")} <= {("True", gate.WEIGHTS_RESIDENT)}
+        assert "held open" in kube.conditions["engine-1"].message
+        assert kube.of("labels") == []
+        # Still NotReady once the grace is over: closed, without any new event.
+        await asyncio.sleep(1.0)
+        await reconciler.flush()
+
+    run(flap())
+    assert kube.of("gate")[-1] == ("engine-1", "False", gate.DAEMON_NOT_READY)
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: None})]

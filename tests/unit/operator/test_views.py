@@ -120,3 +120,25 @@ def test_cache_view_copies_spec_and_status() -> None:
     body["spec"]["model"]["path"] = "/changed"
     assert view.spec == {"model": {"path": "/m"}} and view.status == {"phase": "Ready"}
     assert (view.generation, view.deleting) == (2, False)
+
+
+def test_daemon_pod_view_sees_a_readiness_flap_and_restarts() -> None:
+    body = {
+        "metadata": {"name": "wc-x", "namespace": "ns", "uid": "u1"},
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "False",
+                            "lastTransitionTime": "2026-01-01T00:00:10Z"}],
+            "containerStatuses": [
+                {"name": "daemon-0", "restartCount": 0, "state": {"running": {}}},
+                {"name": "daemon-1", "restartCount": 2, "state": {"running": {}}},
+            ],
+        },
+    }
+    view = views.daemon_pod_view(body)
+    assert (view.uid, view.ready, view.restarts, view.containers_running) == ("u1", False, 2, True)
+    assert view.not_ready_since == 1767225610.0
+    body["status"]["containerStatuses"][1]["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
+    assert views.daemon_pod_view(body).containers_running is False
+    body["status"]["conditions"][0]["status"] = "True"
+    assert views.daemon_pod_view(body).not_ready_since is None
