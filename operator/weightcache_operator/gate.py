@@ -54,17 +54,23 @@ def expected_bytes(spec: WeightCacheSpec, reported: int) -> int:
 def controlled_pods(
     pods: Iterable[DaemonPodView], daemonset: DaemonSetView | None
 ) -> list[DaemonPodView]:
-    """The pods the cache's own DaemonSet made; labels alone prove nothing.
+    """The pods the cache's own DaemonSet made, shaped as the operator rendered them.
 
     Anyone who may create pods in the namespace can copy a daemon pod's labels
     and write a report; only the DaemonSet controller can create a pod whose
     controller owner reference names the DaemonSet's uid, in the DaemonSet's own
-    namespace (an owner reference never crosses namespaces).
+    namespace (an owner reference never crosses namespaces). But the controller
+    also adopts an orphan pod that matches its selector, so the pod's shape
+    (image, command, identity, security contexts, volumes: shape.py) must be one
+    the operator rendered for the DaemonSet (`DaemonSetView.shapes`), or, on a
+    DaemonSet from an operator that recorded none, its live template's.
     """
     if daemonset is None:
         return []
+    shapes = set(daemonset.shapes) or {daemonset.template_shape}
     return [p for p in pods
-            if p.controller_uid == daemonset.uid and p.namespace == daemonset.namespace]
+            if p.controller_uid == daemonset.uid and p.namespace == daemonset.namespace
+            and p.shape in shapes]
 
 
 def evaluate_pod(

@@ -170,7 +170,10 @@ async def daemonset_event(
         await memo.reconciler.apply_daemonset(state, cache)
     if event["type"] == "MODIFIED":
         # Its counts and generations show in the status only; which pods count
-        # (the DaemonSet's uid) changes only when one appears or goes.
+        # (the DaemonSet's uid) changes only when one appears or goes. An edit of its
+        # pod template by anyone but the operator is undone at once (a no-op otherwise).
+        if cache is not None and not cache.deleting:
+            await memo.reconciler.apply_daemonset(state, cache)
         memo.reconciler.request_status(state, cache_ns, cache_name)
     else:
         await memo.reconciler.cache(state, cache_ns, cache_name)

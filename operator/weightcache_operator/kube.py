@@ -45,6 +45,20 @@ class Kube:
             field_manager=names.MANAGER, force=True, _content_type=APPLY,
         )
 
+    async def restore_daemonset_template(self, namespace: str, name: str, uid: str,
+                                         template: Mapping[str, Any]) -> None:
+        """Replace the pod template of that DaemonSet (by uid) with `template` whole.
+
+        A server-side apply cannot do it: fields another manager added (a
+        `hostPID` set by hand) stay under that manager until someone removes them.
+        """
+        await asyncio.to_thread(
+            self.apps.patch_namespaced_daemon_set, name, namespace,
+            [{"op": "test", "path": "/metadata/uid", "value": uid},
+             {"op": "replace", "path": "/spec/template", "value": dict(template)}],
+            _content_type=JSON_PATCH,
+        )
+
     async def delete_daemonset(self, namespace: str, name: str, uid: str | None) -> None:
         """Delete one DaemonSet (its pods follow, by the garbage collector); with `uid`, only
         that object, never a newer one of the same name."""

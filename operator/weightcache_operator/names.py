@@ -32,6 +32,9 @@ GENERATION_ANNOTATION = f"{GROUP}/generation"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 
 FINALIZER = f"{GROUP}/cleanup"
+# On the DaemonSet: the pod shapes (shape.py digests, comma-separated, newest first) the
+# operator rendered for it; its pods count only with one of them.
+POD_SHAPES_ANNOTATION = f"{GROUP}/pod-shapes"
 
 # The CSI driver that mounts a cache's socket directory into engine pods; its
 # inline volumes name the cache in this volume attribute (`<namespace>/<name>` or `<name>`).

@@ -43,6 +43,7 @@ from .coalesce import Coalescer
 from .kube import api_message
 from .locks import KeyedLocks
 from .policy import Policy
+from .shape import shape_digest
 from .spec import SpecError, WeightCacheSpec, parse_spec, spec_hash
 from .state import State
 from .written import Written
@@ -65,6 +66,9 @@ class Kube(Protocol):
     """The operator's writes (kube.Kube talks to the apiserver)."""
 
     async def apply_daemonset(self, manifest: Mapping[str, Any]) -> None: ...
+
+    async def restore_daemonset_template(self, namespace: str, name: str, uid: str,
+                                         template: Mapping[str, Any]) -> None: ...
 
     async def delete_daemonset(self, namespace: str, name: str, uid: str | None) -> None: ...
 
@@ -235,10 +239,19 @@ class Reconciler:
             await self._delete_daemonset(cache, stale, "left by an earlier cache of this name")
             return  # its DELETED event applies the new one
         current = state.daemonset(cache)
+        template = manifest["spec"]["template"]
+        shape = shape_digest(template["spec"])
+        shapes = _shape_history(shape, current)
         wanted = manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION]
-        if (current and current.render_hash == wanted
+        if (current and current.render_hash == wanted and current.shapes == shapes
+                and current.template_shape == shape
                 and current.applied_generation == cache.generation):
             return
+        if current is not None and current.template_shape not in {*current.shapes, shape}:
+            await self._restore_template(cache, current, template)
+        manifest = {**manifest, "metadata": {**manifest["metadata"], "annotations": {
+            **manifest["metadata"]["annotations"],
+            names.POD_SHAPES_ANNOTATION: ",".join(shapes)}}}
         try:
             await self.kube.apply_daemonset(manifest)
         except ApiException as exc:
@@ -248,6 +261,23 @@ class Reconciler:
         log.info("applied DaemonSet %s/%s for generation %d",
                  manifest["metadata"]["namespace"], manifest["metadata"]["name"],
                  cache.generation)
+
+    async def _restore_template(self, cache: views.CacheView, ds: views.DaemonSetView,
+                                template: Mapping[str, Any]) -> None:
+        """Someone edited the DaemonSet's pod template (its shape is none the operator
+        rendered): put the rendered one back whole, then apply as usual."""
+        try:
+            await self.kube.restore_daemonset_template(ds.namespace, ds.name, ds.uid, template)
+        except ApiException as exc:
+            metrics.ERRORS.labels("daemonset").inc()
+            message = (f"restoring the pod template of DaemonSet {ds.namespace}/{ds.name}: "
+                       f"{exc.status} {exc.reason}: {api_message(exc)}")
+            raise kopf.TemporaryError(message, delay=RETRY_SECONDS) from exc
+        log.warning("DaemonSet %s/%s: its pod template was edited; restored the rendered one",
+                    ds.namespace, ds.name)
+        self.kube.post_event(_cache_ref(cache), "Warning", "DaemonSetRestored",
+                             f"the pod template of DaemonSet {ds.namespace}/{ds.name} was "
+                             "edited; the operator restored the rendered one")
 
     async def _delete_daemonset(self, cache: views.CacheView, ds: views.DaemonSetView,
                                 why: str) -> None:
@@ -567,6 +597,20 @@ def _selects(cache: views.CacheView, spec: WeightCacheSpec, pod: views.EnginePod
             return True
     return (pod.cache == cache.name and pod.cache_namespace == cache.namespace
             and (pod.namespace == cache.namespace or pod.namespace in spec.engine.namespaces))
+
+
+# Shapes kept on a DaemonSet: enough for several renders in flight while old pods roll.
+MAX_SHAPES = 8
+
+
+def _shape_history(shape: str, current: views.DaemonSetView | None) -> tuple[str, ...]:
+    """The shapes a DaemonSet's pods may have: the rendered one first, then the earlier
+    ones. A DaemonSet from an operator that kept none brings its live template's shape, so
+    its pods keep counting while they roll."""
+    earlier: tuple[str, ...] = ()
+    if current is not None:
+        earlier = current.shapes or (current.template_shape,)
+    return tuple(dict.fromkeys((shape, *earlier)))[:MAX_SHAPES]
 
 
 def _parse(cache: views.CacheView) -> Parsed | SpecError:

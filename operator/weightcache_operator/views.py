@@ -15,6 +15,7 @@ from typing import Any
 from weightcache.report import report_annotations
 
 from . import names
+from .shape import shape_digest
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class DaemonPodView:
     # Every container runs, and how often they restarted: a flap of the same processes only.
     containers_running: bool = False
     restarts: int = 0
+    # shape.shape_digest of its spec: what it runs, as whom, and what it can reach.
+    shape: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ class DaemonSetView:
     # layout before daemons moved to the daemon namespace (in the cache's own, owned by it).
     cache_namespace: str = ""
     cache_uid: str | None = None
+    # shape.shape_digest of the live pod template, and the shapes the operator rendered for
+    # it (its POD_SHAPES_ANNOTATION, newest first; empty from an operator before it).
+    template_shape: str = ""
+    shapes: tuple[str, ...] = ()
 
     @property
     def legacy(self) -> bool:
@@ -177,6 +184,7 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
         containers_running=bool(containers) and all(
             "running" in (c.get("state") or {}) for c in containers),
         restarts=sum(int(c.get("restartCount") or 0) for c in containers),
+        shape=shape_digest(body.get("spec") or {}),
     )
 
 
@@ -228,6 +236,9 @@ def daemonset_view(body: Mapping[str, Any]) -> DaemonSetView:
         render_hash=annotations.get(names.RENDER_HASH_ANNOTATION),
         cache_namespace=(meta.get("labels") or {}).get(names.CACHE_NAMESPACE_LABEL, ""),
         cache_uid=annotations.get(names.CACHE_UID_ANNOTATION),
+        template_shape=shape_digest(
+            ((body.get("spec") or {}).get("template") or {}).get("spec") or {}),
+        shapes=tuple(s for s in annotations.get(names.POD_SHAPES_ANNOTATION, "").split(",") if s),
     )
 
 

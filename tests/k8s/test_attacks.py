@@ -31,6 +31,7 @@ from tests.k8s.operator_flow import (
     minilm_tensor_bytes,
     operator_rules,
     template_spec_hash,
+    weightcache,
 )
 from tests.unit.operator.builders import annotations, device_report
 from tools.testenv.cluster import Cluster
@@ -98,6 +99,86 @@ def test_a_look_alike_daemon_pod_opens_no_gate(
     scene.start_daemon()
     scene.engine("v1", ("True", "WeightsResident"))
     assert eventually("the node is labelled", scene.label) == "Ready"
+
+
+def test_a_look_alike_the_daemonset_controller_adopts_counts_for_nothing(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """Issue 25 item 2: an orphan pod with the daemon's labels and no owner reference is
+    adopted by the DaemonSet controller, which then owns it as controller; once, such a pod
+    ran its creator's image with a report set at creation and opened the gate in 5 s.
+
+    Without the chart's admission policy (which refuses creating it at all:
+    test_chart.py), the operator counts a pod only with a shape it rendered."""
+    ns, name, node, system = scene.namespace, scene.name, scene.node, scene.daemon_namespace
+    digest = spec_hash(parse_spec(weightcache(ns, name, node)["spec"]))
+    expected = minilm_tensor_bytes()
+    forged = annotations(device_report(
+        "cpu", digest, node, preloaded=expected, expected=expected, transport="memfd"))
+    look_alike = f"{name}-look-alike"
+    # Made before the cache, so the DaemonSet finds it on its node at its first sync.
+    api.core.create_namespaced_pod(system, {
+        "metadata": {"name": look_alike, "labels": render.selector_labels(ns, name),
+                     "annotations": forged},
+        "spec": {"nodeName": node, "containers": [{"name": "daemon", "image": "evil:1"}]},
+    })
+    try:
+        scene.apply_cache()
+        scene.deploy_engine("v1", gated=True)
+
+        def adopted() -> bool:
+            pod = api.core.read_namespaced_pod(look_alike, system)
+            ready = any(c.type == "Ready" and c.status == "True"
+                        for c in pod.status.conditions or [])
+            return ready and any(ref.kind == "DaemonSet" and ref.controller
+                                 for ref in pod.metadata.owner_references or [])
+
+        eventually("the DaemonSet controller adopts the look-alike", adopted)
+        # It stands for the DaemonSet's pod on the node: no other is made there.
+        assert [p.metadata.name for p in api.daemon_pods(ns, name)] == [look_alike]
+        before = operator.reconciles("cache")
+        api.core.patch_namespaced_pod(look_alike, system,
+                                      {"metadata": {"annotations": {"x": "poke"}}})
+        eventually("the operator judged the cache again",
+                   lambda: settled(operator, "cache", before))
+        engine = scene.engine("v1", ("False", "NoDaemonOnNode"))
+        assert gate_of(engine) == ("False", "NoDaemonOnNode")
+        assert scene.label() is None
+        assert api.status(ns, name).get("readyNodes", 0) == 0
+    finally:
+        api.core.delete_namespaced_pod(look_alike, system, grace_period_seconds=0)
+    # The DaemonSet's own pod with the real daemon's report opens it: the test can fail.
+    scene.start_daemon()
+    scene.engine("v1", ("True", "WeightsResident"))
+
+
+def test_a_hand_edited_daemonset_is_restored(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """Issue 25 item 7: hostPID, root and privileged set by hand on the DaemonSet stayed after
+    two resyncs: the operator compared only its own annotations."""
+    scene.apply_cache()
+    ds = eventually("the DaemonSet exists", lambda: api.daemonset(scene.namespace, scene.name))
+    system, ds_name = ds.metadata.namespace, ds.metadata.name
+    rendered_user = ds.spec.template.spec.security_context.run_as_user
+    api.apps.patch_namespaced_daemon_set(ds_name, system, [
+        {"op": "add", "path": "/spec/template/spec/hostPID", "value": True},
+        {"op": "replace", "path": "/spec/template/spec/securityContext/runAsUser", "value": 0},
+        {"op": "replace", "path": "/spec/template/spec/securityContext/runAsNonRoot",
+         "value": False},
+        {"op": "replace", "path": "/spec/template/spec/containers/0/securityContext/privileged",
+         "value": True},
+    ], _content_type="application/json-patch+json")
+
+    def restored() -> bool:
+        pod = api.apps.read_namespaced_daemon_set(ds_name, system).spec.template.spec
+        return (not pod.host_pid and pod.security_context.run_as_user == rendered_user
+                and pod.security_context.run_as_non_root is True
+                and pod.containers[0].security_context.privileged is False)
+
+    # Within one resync of the operator's (30 s): the edit itself triggers the restore.
+    eventually("the rendered pod template is back", restored, bound=45)
+    assert api.events(scene.namespace, scene.name, "DaemonSetRestored")
 
 
 def test_same_named_caches_in_two_namespaces_never_share_a_label(

@@ -160,6 +160,20 @@ def test_only_pods_of_the_caches_own_daemonset_count(make_pod: MakePod) -> None:
     assert gate.controlled_pods(pods, None) == []
 
 
+def test_an_adopted_pod_of_another_shape_counts_for_nothing(make_pod: MakePod) -> None:
+    """Issue 25 item 2: the DaemonSet controller adopts an orphan with its labels, so its
+    controller reference proves nothing; the pod must also have a shape the operator rendered
+    (any recorded for the DaemonSet, so old pods count while a new template rolls out)."""
+    current = dataclasses.replace(make_pod("current"), shape="s2")
+    rolling = dataclasses.replace(make_pod("rolling"), shape="s1")
+    adopted = dataclasses.replace(make_pod("adopted"), shape="attacker's")
+    ds = dataclasses.replace(daemonset(), template_shape="s2", shapes=("s2", "s1"))
+    assert gate.controlled_pods([current, rolling, adopted], ds) == [current, rolling]
+    # A DaemonSet from an operator that recorded no shapes: its live template's counts.
+    ds = dataclasses.replace(ds, shapes=())
+    assert gate.controlled_pods([current, rolling, adopted], ds) == [current]
+
+
 def test_during_a_daemon_rollout_either_pod_can_satisfy_the_node(
     gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
 ) -> None:

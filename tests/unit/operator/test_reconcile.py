@@ -20,6 +20,7 @@ from tests.unit.operator.builders import GIB, annotations, device_report
 from weightcache_operator import aggregate, gate, names, reconcile, render
 from weightcache_operator.policy import HostPaths, Policy
 from weightcache_operator.reconcile import Reconciler
+from weightcache_operator.shape import shape_digest
 from weightcache_operator.spec import parse_spec, spec_hash
 from weightcache_operator.state import State
 from weightcache_operator.views import (
@@ -45,6 +46,10 @@ POLICY = Policy(
     setup_image="op:1", sidecar_image="side:1", daemon_namespace=SYSTEM,
     allowed_host_paths=HostPaths(("/var/run/weightcache",), ("/models",)),
 )
+# The shape of the pods the operator renders for the cache (shape.py).
+SHAPE = shape_digest(render.render_daemonset(
+    render.CacheRef(NS, NAME, UID, 1), parse_spec(SPEC), DIGEST, POLICY, 65532,
+)["spec"]["template"]["spec"])
 
 
 class RecordingKube:
@@ -52,6 +57,7 @@ class RecordingKube:
 
     def __init__(self) -> None:
         self.writes: list[tuple[str, Any]] = []
+        self.applied: list[Mapping[str, Any]] = []
         self.events: list[tuple[str, str]] = []
         self.refuse: dict[str, int] = {}
         self.conditions: dict[str, Condition] = {}
@@ -63,6 +69,11 @@ class RecordingKube:
 
     async def apply_daemonset(self, manifest: Mapping[str, Any]) -> None:
         self._write("daemonset", manifest["metadata"]["name"])
+        self.applied.append(manifest)
+
+    async def restore_daemonset_template(self, namespace: str, name: str, uid: str,
+                                         template: Mapping[str, Any]) -> None:
+        self._write("restore", (name, uid))
 
     async def delete_daemonset(self, namespace: str, name: str, uid: str | None) -> None:
         self._write("delete", (namespace, name, uid))
@@ -95,9 +106,10 @@ def cache(generation: int = 1, spec: dict | None = None, deleting: bool = False,
 
 
 def daemonset(render_hash: str | None = None, applied: int | None = 1,
-              cache_uid: str = UID) -> DaemonSetView:
+              cache_uid: str = UID, template_shape: str = SHAPE,
+              shapes: tuple[str, ...] = (SHAPE,)) -> DaemonSetView:
     return DaemonSetView(SYSTEM, names.daemonset_name(NS, NAME), "ds-uid", None, NAME, 1, 1, 1,
-                         1, applied, render_hash, NS, cache_uid)
+                         1, applied, render_hash, NS, cache_uid, template_shape, shapes)
 
 
 def legacy_daemonset() -> DaemonSetView:
@@ -113,7 +125,7 @@ def daemon_pod(name: str = "wc-abc", controller: str | None = "ds-uid", ready: b
         reports = annotations(device_report("cpu", DIGEST, node, preloaded=GIB, expected=GIB,
                                             state=state))
     return DaemonPodView(SYSTEM, name, NAME, node, "Running", ready, False, dict(reports),
-                         DIGEST, "2026-01-01T00:00:00Z", controller, NS)
+                         DIGEST, "2026-01-01T00:00:00Z", controller, NS, shape=SHAPE)
 
 
 def engine(gate_now: Condition | None = None, name: str = "engine-1", node: str = NODE,
@@ -624,3 +636,26 @@ def test_a_readiness_flap_closes_no_gate_and_a_lasting_one_closes_it_when_the_gr
     run(flap())
     assert kube.of("gate")[-1] == ("engine-1", "False", gate.DAEMON_NOT_READY)
     assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: None})]
+
+
+def test_a_hand_edited_pod_template_is_restored_whole_then_applied(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Issue 25 item 7: hostPID, root and privileged set by hand stayed after two resyncs
+    (only the operator's own annotations were compared)."""
+    manifest = reconciler.rendered(cache())
+    assert isinstance(manifest, dict)
+    stamped = manifest["metadata"]["annotations"][names.RENDER_HASH_ANNOTATION]
+    edited = daemonset(stamped, template_shape="edited by hand")
+    run(reconciler.apply_daemonset(state(ds=edited), cache()))
+    assert [k for k, _ in kube.writes] == ["restore", "daemonset"]
+    assert kube.of("restore") == [(names.daemonset_name(NS, NAME), "ds-uid")]
+    # The edited shape is never recorded as one the pods may have.
+    assert kube.applied[-1]["metadata"]["annotations"][names.POD_SHAPES_ANNOTATION] == SHAPE
+    kube.writes.clear()
+    # An older render of the operator's own is no edit: applied over, not restored.
+    older = daemonset(stamped, template_shape="s0", shapes=("s0",))
+    run(reconciler.apply_daemonset(state(ds=older), cache()))
+    assert [k for k, _ in kube.writes] == ["daemonset"]
+    assert kube.applied[-1]["metadata"]["annotations"][names.POD_SHAPES_ANNOTATION] == (
+        f"{SHAPE},s0")

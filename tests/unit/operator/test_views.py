@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from weightcache.report import annotation_key
 from weightcache_operator import names, views
+from weightcache_operator.shape import shape_digest
 
 
 def test_daemon_pod_view() -> None:
@@ -33,6 +34,7 @@ def test_daemon_pod_view() -> None:
         reports={annotation_key("GPU-1"): "{}", annotation_key("GPU-2"): "[]"},
         spec_hash="h", created="2026-01-01T00:00:00Z", controller_uid="ds-uid",
         cache_namespace="ns",  # no label: the older layout, in the cache's own namespace
+        shape=shape_digest({"nodeName": "n1"}),
     )
     body["metadata"]["labels"][names.CACHE_NAMESPACE_LABEL] = "team"
     assert views.daemon_pod_view(body).cache_namespace == "team"
@@ -85,15 +87,20 @@ def test_daemonset_view() -> None:
         },
     }
     assert views.daemonset_view(body) == views.DaemonSetView(
-        "ns", "weightcache-wc", "ds-uid", "cache-uid", "wc", 3, 2, 4, 4, 7, "r"
+        "ns", "weightcache-wc", "ds-uid", "cache-uid", "wc", 3, 2, 4, 4, 7, "r",
+        template_shape=shape_digest({}),
     )
     assert views.daemonset_view(body).legacy  # the older layout: owned, in the cache's namespace
     body["metadata"]["annotations"][names.GENERATION_ANNOTATION] = "x"
     assert views.daemonset_view(body).applied_generation is None
     body["metadata"]["labels"][names.CACHE_NAMESPACE_LABEL] = "team"
     body["metadata"]["annotations"][names.CACHE_UID_ANNOTATION] = "cache-uid"
+    body["metadata"]["annotations"][names.POD_SHAPES_ANNOTATION] = "s2,s1"
+    body["spec"] = {"template": {"spec": {"hostPID": True}}}
     view = views.daemonset_view(body)
     assert (view.cache_namespace, view.cache_uid, view.legacy) == ("team", "cache-uid", False)
+    assert view.shapes == ("s2", "s1")
+    assert view.template_shape == shape_digest({"hostPID": True}) != shape_digest({})
 
 
 def test_node_view_reads_only_ready_cache_labels() -> None:
