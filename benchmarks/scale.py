@@ -677,6 +677,9 @@ def policy() -> dict[str, Any]:
         "daemonNamespace": OPERATOR_NAMESPACE,
         "allowedHostPaths": {"socketDirs": [SOCKET_ROOT], "modelDirs": [MODEL_ROOT]},
         "allowedTransports": ["auto", "vmm_fd", "memfd", "torch_ipc"],
+        # The GPU example's visible-devices needs the images restricted.
+        "allowedGpuAccessModes": ["visible-devices", "device-plugin", "dra"],
+        "allowedSidecarImagePrefixes": ["localhost/"],
     }
 
 

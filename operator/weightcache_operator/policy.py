@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated
+from decimal import Decimal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from .spec import TRANSPORTS, WeightCacheSpec
+from .spec import GPU_ACCESS_MODES, QUANTITY_RE, TRANSPORTS, WeightCacheSpec
 
 POLICY_ENV = "WEIGHTCACHE_POLICY"
 
@@ -38,6 +39,24 @@ class HostPaths(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename=
     socket_dirs: tuple[AbsPath, ...] = ()
     # spec.model.path must be one of these or lie below one (mounted read-only).
     model_dirs: tuple[AbsPath, ...] = ()
+
+
+class Toleration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+    """A toleration a cache may give its daemon pods; `tolerationSeconds` is not compared."""
+
+    key: str = ""
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str = ""
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = ""
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> Toleration:
+        return cls(str(raw.get("key") or ""), raw.get("operator") or "Equal",
+                   str(raw.get("value") or ""), raw.get("effect") or "")
+
+
+# GPU nodes are commonly tainted so that only GPU workloads land there; daemons are one.
+GPU_TAINT = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
 
 
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
@@ -60,6 +79,18 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="ca
     # Empty: any image.
     allowed_sidecar_image_prefixes: tuple[Image, ...] = ()
     allowed_transports: tuple[str, ...] = TRANSPORTS
+    # A daemon pod runs at no priority class but these: one could preempt others' pods.
+    allowed_priority_classes: tuple[str, ...] = ()
+    # Each of spec.placement.tolerations must be one of these: `operator: Exists` with no
+    # key would put daemons on every tainted node.
+    allowed_tolerations: tuple[Toleration, ...] = (GPU_TAINT,)
+    # Per daemon container: every resource spec.sidecar.resources names must be listed
+    # here, its request and limit at most this quantity.
+    max_sidecar_resources: dict[str, str] = msgspec.field(
+        default_factory=lambda: {"cpu": "8", "memory": "64Gi"})
+    # How a GPU cache's daemons may see GPUs; visible-devices (every GPU of the node, no
+    # request) needs allowed image prefixes as well.
+    allowed_gpu_access_modes: tuple[str, ...] = ("device-plugin", "dra")
 
 
 def policy_from_env(env: Mapping[str, str] = os.environ) -> Policy:
@@ -74,7 +105,30 @@ def policy_from_env(env: Mapping[str, str] = os.environ) -> Policy:
     unknown = set(policy.allowed_transports) - set(TRANSPORTS)
     if unknown:
         raise PolicyError(f"{POLICY_ENV}: unknown transports {sorted(unknown)}")
+    unknown = set(policy.allowed_gpu_access_modes) - set(GPU_ACCESS_MODES)
+    if unknown:
+        raise PolicyError(f"{POLICY_ENV}: unknown GPU access modes {sorted(unknown)}")
+    for name, cap in policy.max_sidecar_resources.items():
+        if not QUANTITY_RE.match(cap):
+            raise PolicyError(f"{POLICY_ENV}: maxSidecarResources.{name}: {cap!r} is no quantity")
     return policy
+
+
+_SUFFIXES = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity(value: str | int) -> Decimal:
+    """A Kubernetes quantity's value (`500m`, `2Gi`, `1e3`, `8`); ValueError if it is none."""
+    text = str(value)
+    if isinstance(value, bool) or not QUANTITY_RE.match(text):
+        raise ValueError(f"{value!r} is not a quantity")
+    number = text.rstrip("KMGTPEikmnu")
+    suffix = text[len(number):]
+    if suffix in _SUFFIXES:
+        return Decimal(number) * _SUFFIXES[suffix]
+    return Decimal(text)  # an exponent: 1e3
 
 
 def _norm(path: str) -> str:
@@ -94,8 +148,10 @@ def image_allowed(image: str, prefixes: tuple[str, ...]) -> bool:
     """Whether `image` is under one of `prefixes` at a registry/path boundary.
 
     `registry.corp.example` admits `registry.corp.example/x:1` but not
-    `registry.corp.example.evil.io/x:1`; a prefix ending in `/` admits what is
-    below it; a full repository admits its tags and digests.
+    `registry.corp.example.evil.io/x:1`, nor `registry.corp.example:5000/x`
+    (another registry, on another port: what follows a `:` is a tag only
+    without a `/`); a prefix ending in `/` admits what is below it; a full
+    repository admits its tags and digests.
     """
     if not prefixes:
         return True
@@ -103,7 +159,9 @@ def image_allowed(image: str, prefixes: tuple[str, ...]) -> bool:
         if prefix.endswith("/"):
             if image.startswith(prefix):
                 return True
-        elif image == prefix or any(image.startswith(prefix + sep) for sep in "/:@"):
+        elif image == prefix or image.startswith((prefix + "/", prefix + "@")):
+            return True
+        elif image.startswith(prefix + ":") and "/" not in image[len(prefix) + 1:]:
             return True
     return False
 
@@ -145,6 +203,21 @@ def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int) -> str:
                 f"spec.gpuAccess.claim: {named} is not a resource claim (or template) the "
                 f"cluster's cache policy allows in the daemon namespace (allowed: {allowed})"
             )
+    if spec.device == "cuda":
+        mode = spec.gpu_access.mode
+        if mode not in policy.allowed_gpu_access_modes:
+            raise PolicyError(
+                f"spec.gpuAccess.mode: {mode} is not allowed by the cluster's cache policy "
+                f"(allowed: {', '.join(policy.allowed_gpu_access_modes) or 'none'})"
+            )
+        if mode == "visible-devices" and not policy.allowed_sidecar_image_prefixes:
+            raise PolicyError(
+                "spec.gpuAccess.mode: visible-devices shows every GPU of the node to the daemon "
+                "image, so the cluster's cache policy must restrict images "
+                "(cachePolicy.allowedSidecarImagePrefixes) to allow it"
+            )
+    _check_placement(spec, policy)
+    _check_resources(spec, policy)
     image = spec.sidecar.image or policy.sidecar_image
     if not image:
         raise PolicyError(
@@ -173,3 +246,46 @@ def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int) -> str:
             "spec.socketDir with"
         )
     return image
+
+
+def _check_placement(spec: WeightCacheSpec, policy: Policy) -> None:
+    priority = spec.placement.priority_class_name
+    if priority is not None and priority not in policy.allowed_priority_classes:
+        raise PolicyError(
+            f"spec.placement.priorityClassName: {priority} is not allowed by the cluster's cache "
+            f"policy (allowed: {', '.join(policy.allowed_priority_classes) or 'none'})"
+        )
+    for i, raw in enumerate(spec.placement.tolerations):
+        try:
+            toleration = Toleration.of(raw)
+        except (TypeError, ValueError):
+            toleration = None
+        if toleration is None or toleration not in policy.allowed_tolerations:
+            allowed = "; ".join(_describe(t) for t in policy.allowed_tolerations) or "none"
+            raise PolicyError(
+                f"spec.placement.tolerations[{i}]: {dict(raw)} is not a toleration the cluster's "
+                f"cache policy allows (allowed: {allowed})"
+            )
+
+
+def _describe(t: Toleration) -> str:
+    value = f"={t.value}" if t.operator == "Equal" else ""
+    return f"{t.key or '<any key>'} {t.operator}{value}:{t.effect or '<any effect>'}"
+
+
+def _check_resources(spec: WeightCacheSpec, policy: Policy) -> None:
+    caps = policy.max_sidecar_resources
+    for kind, quantities in (("requests", spec.sidecar.resources.requests),
+                             ("limits", spec.sidecar.resources.limits)):
+        for name, value in sorted(quantities.items()):
+            where = f"spec.sidecar.resources.{kind}.{name}"
+            if name not in caps:
+                raise PolicyError(
+                    f"{where}: the cluster's cache policy allows no {name} for a daemon "
+                    f"(allowed: {', '.join(sorted(caps)) or 'none'})"
+                )
+            if quantity(value) > quantity(caps[name]):
+                raise PolicyError(
+                    f"{where}: {value} is over the cluster's cache policy's {caps[name]} per "
+                    "daemon container"
+                )

@@ -662,6 +662,26 @@ def test_cache_policy_refuses_what_the_cluster_does_not_allow(
          "spec.sidecar.image: registry.corp.example.evil.io/x:1 is not allowed"),
         ({"sidecar": {"image": "ghcr.io/weightcache-evil/sidecar:1"}},
          "spec.sidecar.image: ghcr.io/weightcache-evil/sidecar:1 is not allowed"),
+        # Issue 25 item 13: the allowed host on another port is another registry; the
+        # operator's uid is no daemon's.
+        ({"sidecar": {"image": "registry.corp.example:5000/team/x:1"}},
+         "spec.sidecar.image: registry.corp.example:5000/team/x:1 is not allowed"),
+        ({"sidecar": {"image": "registry.corp.example/x:1", "runAsUser": 65532}},
+         "spec.sidecar.runAsUser: 65532 is the operator's own uid"),
+        # Issue 25 item 4: every GPU of every node, for the cache's image.
+        ({"device": "cuda", "transport": "vmm_fd"},
+         "spec.gpuAccess.mode: visible-devices is not allowed in this cluster"),
+        ({"device": "cuda", "transport": "vmm_fd", "gpuAccess": {"mode": "visible-devices"}},
+         "spec.gpuAccess.mode: visible-devices is not allowed in this cluster"),
+        # Issue 25 item 3: preempting, tolerating every taint, crowding other tenants out.
+        ({"placement": {"priorityClassName": "system-node-critical"}},
+         "spec.placement.priorityClassName: system-node-critical is not allowed"),
+        ({"placement": {"tolerations": [{"operator": "Exists"}]}},
+         "spec.placement.tolerations: a toleration this cluster does not allow"),
+        ({"sidecar": {"resources": {"requests": {"cpu": "16"}}}},
+         "spec.sidecar.resources.requests: each must be one of cpu, memory"),
+        ({"sidecar": {"resources": {"limits": {"nvidia.com/gpu": 8}}}},
+         "spec.sidecar.resources.limits: each must be one of cpu, memory"),
     ]
     for change, message in refusals:
         cache = weightcache(release.cache_namespace, "policy", node)
@@ -672,7 +692,12 @@ def test_cache_policy_refuses_what_the_cluster_does_not_allow(
         assert message in result.stderr, (change, result.stderr)
     for change in ({"transport": "auto"}, {"model": {"path": "/models/llama"}},
                    {"sidecar": {"image": "registry.corp.example/x:1"}},
-                   {"sidecar": {"image": "registry.corp.example:5000/team/x@sha256:" + "a" * 64}},
+                   {"sidecar": {"image": "registry.corp.example/team/x@sha256:" + "a" * 64}},
+                   {"sidecar": {"resources": {"requests": {"cpu": "8", "memory": "64Gi"}}}},
+                   {"placement": {"tolerations": [{"key": "nvidia.com/gpu",
+                                                   "operator": "Exists", "effect": "NoSchedule"}]}},
+                   {"device": "cuda", "transport": "vmm_fd",
+                    "gpuAccess": {"mode": "device-plugin"}},
                    {"socketDir": "/var/run/weightcache/"}):
         cache = weightcache(release.cache_namespace, "policy", node)
         cache["spec"].update(change)

@@ -64,7 +64,11 @@ The set-up image is the operator's own: it alone runs the privileged step.
   "allowedResourceClaims" .Values.cachePolicy.allowedResourceClaims
   "allowedHostPaths" .Values.cachePolicy.allowedHostPaths
   "allowedSidecarImagePrefixes" .Values.cachePolicy.allowedSidecarImagePrefixes
-  "allowedTransports" .Values.cachePolicy.allowedTransports }}
+  "allowedTransports" .Values.cachePolicy.allowedTransports
+  "allowedGpuAccessModes" .Values.cachePolicy.allowedGpuAccessModes
+  "allowedPriorityClasses" .Values.cachePolicy.allowedPriorityClasses
+  "allowedTolerations" .Values.cachePolicy.allowedTolerations
+  "maxSidecarResources" .Values.cachePolicy.maxSidecarResources }}
 {{- toJson $policy }}
 {{- end }}
 

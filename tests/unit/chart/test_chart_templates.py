@@ -119,9 +119,17 @@ def test_cache_policy_defaults_are_secure_and_admission_can_be_turned_off(
     assert "torch_ipc" not in policy.allowed_transports
     assert policy.allowed_host_paths.socket_dirs == ("/var/run/weightcache",)
     assert policy.allowed_host_paths.model_dirs == ("/models",)
+    # Issue 25 items 3 and 4: no priority class, GPU nodes' taint only, bounded resources,
+    # no visible-devices (every GPU of a node, for any image).
+    assert policy.allowed_priority_classes == ()
+    assert [t.key for t in policy.allowed_tolerations] == ["nvidia.com/gpu"]
+    assert policy.max_sidecar_resources == {"cpu": "8", "memory": "64Gi"}
+    assert policy.allowed_gpu_access_modes == ("device-plugin", "dra")
     validations = one(render(), "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"]
-    # transport, socketDir, model.path, model.pvc, gpuAccess.claim; any image by default
-    assert len(validations) == 5
+    # transport, socketDir, model.path, model.pvc, gpuAccess.claim, runAsUser, GPU access
+    # (mode; visible-devices without image prefixes), priority class, tolerations, requests,
+    # limits; any image by default
+    assert len(validations) == 12
     docs = render(set_values=["cachePolicy.enabled=false"])
     assert not [d for d in docs if "cache-policy" in d["metadata"]["name"]]
     # The operator enforces the policy either way.

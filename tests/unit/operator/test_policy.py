@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 import pytest
 
@@ -14,6 +15,7 @@ from weightcache_operator.policy import (
     image_allowed,
     path_within,
     policy_from_env,
+    quantity,
 )
 
 
@@ -78,7 +80,9 @@ def test_paths_match_at_segment_boundaries(path: str, allowed: bool) -> None:
     [
         ("registry.corp.example/x:1", True),
         ("registry.corp.example/team/x@sha256:" + "a" * 64, True),
-        ("registry.corp.example:5000/x:1", True),
+        # Issue 25 item 13: the same host on another port is another registry.
+        ("registry.corp.example:5000/x:1", False),
+        ("docker.io/library/python@sha256:" + "b" * 64, True),
         # The issue's bypass: a longer host that merely starts with the prefix.
         ("registry.corp.example.evil.io/x:1", False),
         ("registry.corp.exampleX/x:1", False),
@@ -97,3 +101,28 @@ def test_image_prefixes_match_at_registry_and_path_boundaries(image: str, allowe
 
 def test_no_prefixes_allow_any_image() -> None:
     assert image_allowed("anything.example/x:1", ())
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("500m", "0.5"), ("8", "8"), (8, "8"), ("2Gi", str(2 * 2**30)), ("1e3", "1000"),
+    ("1.5", "1.5"), ("100k", "100000"), ("3Mi", str(3 * 2**20)), ("0.5Gi", str(2**29)),
+])
+def test_quantities_read_as_kubernetes_reads_them(text: str | int, value: str) -> None:
+    assert quantity(text) == Decimal(value)
+
+
+@pytest.mark.parametrize("text", ["", "8 cpu", "1Zi", "-1", True])
+def test_a_non_quantity_is_refused(text: object) -> None:
+    with pytest.raises(ValueError, match="is not a quantity"):
+        quantity(text)  # type: ignore[arg-type]
+
+
+def test_the_environment_cannot_allow_unknown_modes_or_bad_caps() -> None:
+    for raw, message in (({"allowedGpuAccessModes": ["all-gpus"]}, "unknown GPU access modes"),
+                         ({"maxSidecarResources": {"cpu": "lots"}}, "maxSidecarResources.cpu")):
+        with pytest.raises(PolicyError, match=message):
+            policy_from_env({POLICY_ENV: json.dumps(raw)})
+    policy = policy_from_env({POLICY_ENV: "{}"})
+    assert policy.allowed_gpu_access_modes == ("device-plugin", "dra")
+    assert policy.allowed_priority_classes == ()
+    assert policy.max_sidecar_resources == {"cpu": "8", "memory": "64Gi"}

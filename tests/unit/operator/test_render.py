@@ -7,7 +7,7 @@ import pytest
 
 from weightcache.report import SPEC_HASH_ENV
 from weightcache_operator import names
-from weightcache_operator.policy import HostPaths, Policy
+from weightcache_operator.policy import HostPaths, Policy, Toleration
 from weightcache_operator.render import (
     CONTAINER_SOCKET_ROOT,
     LONGEST_SOCKET_NAME,
@@ -19,7 +19,7 @@ from weightcache_operator.render import (
     render_daemonset,
     render_hash,
 )
-from weightcache_operator.spec import parse_spec, spec_hash
+from weightcache_operator.spec import GPU_ACCESS_MODES, parse_spec, spec_hash
 
 REF = CacheRef(namespace="team", name="minilm", uid="uid-1", generation=3)
 CPU = {
@@ -45,6 +45,11 @@ POLICY = Policy(
     # Claims are looked up in the daemon namespace: the admin names which.
     allowed_model_claims=("store",),
     allowed_resource_claims=("gpus-template", "node-gpus"),
+    # visible-devices (rendered below) needs the images restricted.
+    allowed_gpu_access_modes=GPU_ACCESS_MODES,
+    allowed_sidecar_image_prefixes=("sidecar", "s", "op-default", "attacker.example/"),
+    allowed_priority_classes=("system-node-critical",),
+    allowed_tolerations=(Toleration(key="nvidia.com/gpu", operator="Exists"),),
 )
 OPERATOR_UID = 65532
 
@@ -322,6 +327,30 @@ def test_default_image_and_missing_image() -> None:
          msgspec.structs.replace(POLICY, allowed_model_claims=("weights",)),
          "spec.model.pvc.claimName: models is not a claim"),
         ({}, Policy(), "spec.socketDir"),
+        # Issue 25 item 4: every GPU of the node, seen by an image from anywhere.
+        ({"device": "cuda", "transport": "vmm_fd", "gpuAccess": {"mode": "visible-devices"}},
+         msgspec.structs.replace(POLICY, allowed_gpu_access_modes=("device-plugin", "dra")),
+         "spec.gpuAccess.mode: visible-devices is not allowed"),
+        ({"device": "cuda", "transport": "vmm_fd", "gpuAccess": {"mode": "visible-devices"}},
+         msgspec.structs.replace(POLICY, allowed_sidecar_image_prefixes=()),
+         "spec.gpuAccess.mode: visible-devices shows every GPU"),
+        # Issue 25 item 3: preempting, tolerating and crowding out other tenants' pods.
+        ({"placement": {"priorityClassName": "system-cluster-critical"}}, POLICY,
+         "spec.placement.priorityClassName: system-cluster-critical is not allowed"),
+        ({"placement": {"tolerations": [{"operator": "Exists"}]}}, POLICY,
+         r"spec.placement.tolerations\[0\]"),
+        ({"placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                         "effect": "NoExecute"}]}},
+         msgspec.structs.replace(POLICY, allowed_tolerations=(
+             Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule"),)),
+         r"spec.placement.tolerations\[0\]"),
+        ({"sidecar": {"image": "s:1", "resources": {"requests": {"cpu": "16"}}}}, POLICY,
+         "spec.sidecar.resources.requests.cpu: 16 is over the cluster's cache policy's 8"),
+        ({"sidecar": {"image": "s:1", "resources": {"limits": {"memory": "65Gi"}}}}, POLICY,
+         "spec.sidecar.resources.limits.memory: 65Gi is over"),
+        ({"sidecar": {"image": "s:1", "resources": {"requests": {"nvidia.com/gpu": "8"}}}},
+         POLICY, "spec.sidecar.resources.requests.nvidia.com/gpu: the cluster's cache policy "
+         "allows no nvidia.com/gpu"),
     ],
 )
 def test_policy_violations_are_refused_naming_the_field(
