@@ -58,7 +58,9 @@ from tools.testenv.cluster import Cluster
 from tools.testenv.procs import free_ports
 from weightcache.client import daemon_status
 from weightcache.report import annotation_key
-from weightcache_operator import names, rbac
+from weightcache_operator import names, rbac, render
+from weightcache_operator.policy import policy_from_env
+from weightcache_operator.spec import parse_spec, spec_hash
 
 pytestmark = pytest.mark.k8s
 
@@ -747,8 +749,8 @@ def test_a_cache_the_policy_no_longer_allows_can_still_be_deleted(
                                      json.dumps(edit), check=False)
             return result.stderr if result.returncode != 0 else None
 
-        refusal = eventually("the tightened policy refuses a spec edit", spec_edit_refused)
-        assert "spec.model.path" in refusal and "is not under a model directory" in refusal
+        refused = eventually("the tightened policy refuses a spec edit", spec_edit_refused)
+        assert "spec.model.path" in refused and "is not under a model directory" in refused
         kubectl(cluster, "label", "wc", "-n", ns, name, "team=search")
         kubectl(cluster, "delete", "wc", "-n", ns, name, "--wait=false")
         eventually("the operator removed its finalizer and the cache is gone",
@@ -761,6 +763,153 @@ def test_a_cache_the_policy_no_longer_allows_can_still_be_deleted(
             cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"],
                             "--ignore-not-found", check=False)
         flow.force_cleanup()
+
+
+def refusal(attempt: Any) -> str:
+    """The API server's message refusing `attempt` (which must be refused)."""
+    with pytest.raises(ApiException) as refused:
+        attempt()
+    assert refused.value.status in (403, 422), refused.value.body
+    return str(json.loads(refused.value.body)["message"])
+
+
+def test_only_the_daemonset_controller_makes_daemon_pods(
+    cluster: Cluster, release: Release, api: Api, tmp_path: Path
+) -> None:
+    """Issue 25 item 2: a pod created with the daemon's labels and no owner reference was
+    adopted by the cache's DaemonSet, ran its creator's image with a report set at creation,
+    and opened the gate. Only the DaemonSet controller makes such pods now; nobody labels a
+    pod into them, and only the daemon writes a report."""
+    ns, node = release.namespace, cluster.node_names[0]
+    labels = render.selector_labels(release.cache_namespace, "ghost")
+    report = {REPORT_GPU0: '{"v": 1}'}
+
+    def pod(name: str, pod_labels: dict[str, str], annotations: dict[str, str]) -> dict:
+        return {"metadata": {"name": name, "labels": pod_labels, "annotations": annotations},
+                "spec": {"nodeName": node, "serviceAccountName": release.daemon_account,
+                         "containers": [{"name": "daemon", "image": "evil:1"}]}}
+
+    create = api.core.create_namespaced_pod
+    # Not even the cluster admin makes one, with a report or without.
+    for extra in ({}, report):
+        message = refusal(lambda a=extra: create(ns, pod("ghost", labels, a)))
+        assert "only the DaemonSet controller may create a pod with the weightcache daemon " \
+               "labels" in message, message
+    # A plain pod cannot be labelled into a cache's DaemonSet afterwards.
+    create(ns, pod("plain", {"app": "plain"}, {}))
+    message = refusal(lambda: api.core.patch_namespaced_pod(
+        "plain", ns, {"metadata": {"labels": labels}}))
+    assert "the labels of a weightcache daemon pod" in message, message
+    # The DaemonSet controller's own pods pass; a report on one comes from its daemon only.
+    daemonset = {
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "ghost", "namespace": ns, "labels": labels},
+        "spec": {"selector": {"matchLabels": labels}, "template": {
+            "metadata": {"labels": labels},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": node},
+                     "serviceAccountName": release.daemon_account,
+                     "containers": [{"name": "daemon", "image": "sidecar:1"}]}}},
+    }
+    api.apps.create_namespaced_daemon_set(ns, daemonset)
+    try:
+        made = eventually("the DaemonSet controller makes its pod", lambda: next(iter(
+            api.core.list_namespaced_pod(ns, label_selector=",".join(
+                f"{k}={v}" for k, v in labels.items())).items), None))
+        name = made.metadata.name
+        message = refusal(lambda: api.core.patch_namespaced_pod(
+            name, ns, {"metadata": {"annotations": report}}))
+        assert "only the weightcache daemon writes weightcache.dev/report" in message, message
+        bound = token_kubeconfig(cluster, tmp_path / "daemon.kubeconfig", ns,
+                                 release.daemon_account, bound_pod=made)
+        as_daemon = k8s.CoreV1Api(k8s_config.new_client_from_config(config_file=str(bound)))
+        as_daemon.patch_namespaced_pod(name, ns, {"metadata": {"annotations": report}},
+                                       _content_type="application/merge-patch+json")
+    finally:
+        cluster.kubectl("delete", "daemonset", "-n", ns, "ghost", "--wait=false")
+        cluster.kubectl("delete", "pod", "-n", ns, "plain", "--wait=false")
+
+
+def test_a_stolen_operator_token_writes_only_what_the_operator_does(
+    cluster: Cluster, release: Release, api: Api, tmp_path: Path
+) -> None:
+    """Issue 25 item 5: with the operator's token, a privileged DaemonSet under another
+    ServiceAccount passed a dry-run create, and any node label, taint or pod status could be
+    changed. Each is refused now; what the operator itself does still passes."""
+    ns, node = release.namespace, cluster.node_names[0]
+    config = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", ns,
+                              release.operator_account)
+    as_operator = k8s_config.new_client_from_config(config_file=str(config))
+    apps, core = k8s.AppsV1Api(as_operator), k8s.CoreV1Api(as_operator)
+
+    # DaemonSets: one rendered as the operator renders it passes, each privilege refused.
+    (container,) = get(cluster, "deployment", "-n", ns, release.fullname)[
+        "spec"]["template"]["spec"]["containers"]
+    policy = policy_from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    spec = parse_spec(weightcache(release.cache_namespace, "stolen", node)["spec"])
+    rendered = render.render_daemonset(render.CacheRef(release.cache_namespace, "stolen", "u", 1),
+                                       spec, spec_hash(spec), policy, operator_uid=65532)
+
+    def create(change: Any = None) -> None:
+        manifest = json.loads(json.dumps(rendered))
+        if change is not None:
+            change(manifest["spec"]["template"]["spec"])
+        apps.create_namespaced_daemon_set(ns, manifest, dry_run="All")
+
+    create()
+    edits = {
+        "runs under weightcache-daemon only":
+            lambda p: p.update(serviceAccountName="default"),
+        "uses no host network, PID or IPC namespace": lambda p: p.update(hostPID=True),
+        "unprivileged, without privilege escalation": lambda p: p["containers"][0][
+            "securityContext"].update(privileged=True, allowPrivilegeEscalation=True),
+        "runs as a non-root uid": lambda p: p["securityContext"].update(runAsUser=0),
+        "mounts only the allowed socket and model host paths": lambda p: p["volumes"].append(
+            {"name": "root", "hostPath": {"path": "/"}}),
+        "runs the operator's own image": lambda p: p["initContainers"][0].update(image="evil:1"),
+        "runs the chart's sidecar image or one under the allowed prefixes":
+            lambda p: p["containers"][0].update(image="evil.example/x:1"),
+    }
+    for wanted, edit in edits.items():
+        message = refusal(lambda e=edit: create(e))
+        assert wanted in message, (wanted, message)
+
+    # Nodes: its own labels only.
+    label = "weightcache.dev/stolen.label"
+    core.patch_node(node, {"metadata": {"labels": {label: "Ready"}}})
+    core.patch_node(node, {"metadata": {"labels": {label: None}}})
+    for patch in ({"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}},
+                  {"metadata": {"annotations": {"x.example/y": "1"}}},
+                  {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}},
+                  {"spec": {"unschedulable": True}}):
+        message = refusal(lambda p=patch: core.patch_node(node, p))
+        assert "may change no node label but weightcache.dev/*" in message, message
+
+    # pods/status: the weights-resident condition only.
+    cache_ns = release.cache_namespace
+    api.core.create_namespaced_pod(cache_ns, {
+        "metadata": {"name": "tenant"},
+        "spec": {"nodeName": node, "containers": [{"name": "app", "image": "app:1"}]}})
+    try:
+        eventually("kwok runs the pod", lambda: is_ready(
+            api.core.read_namespaced_pod("tenant", cache_ns)))
+        gate = {"type": GATE, "status": "False", "reason": "X", "message": "m"}
+        core.patch_namespaced_pod_status("tenant", cache_ns,
+                                         {"status": {"conditions": [gate]}})
+        json_patch = "application/json-patch+json"
+        redirect = [{"op": "replace", "path": "/status/podIP", "value": "10.0.0.66"},
+                    {"op": "replace", "path": "/status/podIPs", "value": [{"ip": "10.0.0.66"}]}]
+        for body, kind in (
+            ({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, None),
+            ({"status": {"conditions": [{"type": "Forged", "status": "True"}]}}, None),
+            ({"status": {"phase": "Failed"}}, None),
+            (redirect, json_patch),  # a Service's traffic to another address
+        ):
+            message = refusal(lambda b=body, k=kind: core.patch_namespaced_pod_status(
+                "tenant", cache_ns, b, **({"_content_type": k} if k else {})))
+            assert "may change no pod status but its weightcache.dev/weights-resident" \
+                   in message, message
+    finally:
+        cluster.kubectl("delete", "pod", "-n", cache_ns, "tenant", "--wait=false")
 
 
 def test_a_cache_cannot_pick_its_daemons_service_account(

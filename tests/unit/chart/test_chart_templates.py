@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,28 @@ def test_network_policies_admit_only_the_scrapers_to_daemons_and_operator(
         scraper]
     assert not [d for d in render(set_values=["networkPolicy.enabled=false"])
                 if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_guards_match_the_operators_and_the_daemon_set_controllers_identities(
+    render: Renderer,
+) -> None:
+    docs = render(set_values=["daemon.namespace=daemons", "serviceAccount.name=op"])
+    operator = one(docs, "ValidatingAdmissionPolicy", "-operator-guard")
+    (condition,) = operator["spec"]["matchConditions"]
+    assert condition["expression"] == (
+        "request.userInfo.username == 'system:serviceaccount:wc-system:op'")
+    rules = {r for rule in operator["spec"]["matchConstraints"]["resourceRules"]
+             for r in rule["resources"]}
+    assert rules == {"nodes", "pods/status", "daemonsets"}
+    pods = one(docs, "ValidatingAdmissionPolicy", "-daemon-pod-guard")
+    text = json.dumps(pods["spec"])
+    assert "system:serviceaccount:kube-system:daemon-set-controller" in text
+    assert "system:serviceaccount:daemons:weightcache-daemon" in text
+    for policy in (operator, pods):
+        assert policy["spec"]["failurePolicy"] == "Fail"
+        binding = one(docs, "ValidatingAdmissionPolicyBinding",
+                      policy["metadata"]["name"].removeprefix("wc-weightcache-operator"))
+        assert binding["spec"]["validationActions"] == ["Deny"]
+    docs = render(set_values=["operatorGuard.enabled=false", "daemon.podGuard.enabled=false"])
+    assert not [d for d in docs if d["metadata"]["name"].endswith(("-operator-guard",
+                                                                   "-daemon-pod-guard"))]
