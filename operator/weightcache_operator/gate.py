@@ -90,6 +90,8 @@ def evaluate_pod(
 
     if pod.terminating:
         return fail(DAEMON_NOT_READY, "terminating")
+    if pod.report_error is not None:
+        return fail(REPORT_MALFORMED, pod.report_error)
     if not pod.reports:
         return fail(DAEMON_NOT_READY, "no report yet")
     try:

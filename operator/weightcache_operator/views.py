@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightcache.report import report_annotations
+from weightcache.report import ANNOTATION_PREFIX, MAX_ANNOTATION_BYTES, MAX_DEVICES
 
 from . import names
 from .shape import shape_digest
@@ -62,6 +62,8 @@ class DaemonPodView:
     restarts: int = 0
     # shape.shape_digest of its spec: what it runs, as whom, and what it can reach.
     shape: str = ""
+    # Why its report annotations were not kept (too many, too large); they count as malformed.
+    report_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
     condition = next((c for c in _conditions(body) if c.get("type") == "Ready"), {})
     ready = condition.get("status") == "True"
     containers = list(status.get("containerStatuses") or [])
+    reports, report_error = _bounded_reports(meta, annotations, body.get("spec") or {})
     return DaemonPodView(
         namespace=meta.get("namespace", ""),
         name=meta["name"],
@@ -174,7 +177,7 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
         phase=status.get("phase") or "Pending",
         ready=ready,
         terminating=meta.get("deletionTimestamp") is not None,
-        reports=report_annotations(annotations),
+        reports=reports,
         spec_hash=annotations.get(names.SPEC_HASH_ANNOTATION),
         created=str(meta.get("creationTimestamp") or ""),
         controller_uid=_controller_uid(meta),
@@ -185,7 +188,35 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
             "running" in (c.get("state") or {}) for c in containers),
         restarts=sum(int(c.get("restartCount") or 0) for c in containers),
         shape=shape_digest(body.get("spec") or {}),
+        report_error=report_error,
     )
+
+
+def _bounded_reports(
+    meta: Mapping[str, Any], annotations: Mapping[str, Any], spec: Mapping[str, Any]
+) -> tuple[dict[str, str], str | None]:
+    """The pod's report annotations worth keeping in the index, or why none are.
+
+    Anyone who may label a pod can make the operator read it, so what the
+    index keeps is bounded before it is kept: only a pod a DaemonSet controls
+    (the only pods that can count) keeps reports at all, at most one per
+    container and MAX_DEVICES in all, each at most MAX_ANNOTATION_BYTES.
+    """
+    if not any(ref.get("controller") and ref.get("kind") == "DaemonSet"
+               for ref in meta.get("ownerReferences") or []):
+        return {}, None
+    keys = sorted(k for k in annotations if k.startswith(ANNOTATION_PREFIX))
+    cap = min(MAX_DEVICES, len(spec.get("containers") or []))
+    if len(keys) > cap:
+        return {}, f"{len(keys)} report annotations for at most {cap} (one per daemon container)"
+    reports: dict[str, str] = {}
+    for key in keys:
+        value = str(annotations[key])
+        size = len(value.encode())
+        if size > MAX_ANNOTATION_BYTES:
+            return {}, f"{key}: {size} bytes, over the {MAX_ANNOTATION_BYTES}-byte cap"
+        reports[key] = value
+    return reports, None
 
 
 def has_gate(body: Mapping[str, Any]) -> bool:

@@ -592,7 +592,8 @@ def test_daemon_token_may_write_only_its_own_report(
             "metadata": {"name": name, "namespace": ns, "labels": {"app": "guard"}},
             "spec": {"serviceAccountName": rel.daemon_account,
                      "nodeSelector": {"kubernetes.io/hostname": cluster.node_names[0]},
-                     "containers": [{"name": "daemon", "image": "sidecar:1"}]},
+                     "containers": [{"name": f"daemon-{i}", "image": "sidecar:1"}
+                                    for i in range(2)]},
         })
     own = api.core.read_namespaced_pod("guard-a", ns)
     bound = token_kubeconfig(cluster, tmp_path / "bound.kubeconfig", ns, rel.daemon_account,
@@ -607,7 +608,7 @@ def test_daemon_token_may_write_only_its_own_report(
                                     _content_type="application/merge-patch+json")
 
     annotate(as_bound, "guard-a", report)
-    annotate(as_bound, "guard-a", {annotation_key("GPU-1"): "{}"})  # another device: allowed
+    annotate(as_bound, "guard-a", {annotation_key("GPU-1"): "{}"})  # another container's
 
     refused = {
         "another annotation": lambda: annotate(as_bound, "guard-a", {"x.example/y": "1"}),
@@ -616,13 +617,15 @@ def test_daemon_token_may_write_only_its_own_report(
         "a label": lambda: as_bound.patch_namespaced_pod(
             "guard-a", ns, {"metadata": {"labels": {"app": "engine"}}}),
         "the image": lambda: as_bound.patch_namespaced_pod(
-            "guard-a", ns, {"spec": {"containers": [{"name": "daemon", "image": "evil:1"}]}}),
+            "guard-a", ns, {"spec": {"containers": [{"name": "daemon-0", "image": "evil:1"}]}}),
         "a finalizer": lambda: as_bound.patch_namespaced_pod(
             "guard-a", ns, {"metadata": {"finalizers": ["x.example/hold"]}},
             _content_type="application/merge-patch+json"),
         "another pod": lambda: annotate(as_bound, "guard-b", report),
         "an unbound token": lambda: annotate(as_unbound, "guard-a", report),
         "an oversized report": lambda: annotate(as_bound, "guard-a", {REPORT_GPU0: "x" * 5000}),
+        # Issue 25 item 13: one report per daemon container (two here), not 70.
+        "a third report": lambda: annotate(as_bound, "guard-a", {annotation_key("GPU-2"): "{}"}),
         "pod status": lambda: as_bound.patch_namespaced_pod_status("guard-a", ns, {
             "status": {"conditions": [{"type": GATE, "status": "True"}]}}),
         "read its own pod": lambda: as_bound.read_namespaced_pod("guard-a", ns),

@@ -250,3 +250,13 @@ def test_one_readiness_flap_of_a_daemon_whose_reports_hold_keeps_the_gate_open(
         assert not verdict.ok and verdict.until is None, verdict
     # Without a clock (the pure callers of old), no grace at all.
     assert not gate.evaluate_node(gpu_spec, gpu_hash, [flapping]).ok
+
+
+def test_reports_the_view_did_not_keep_are_malformed(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    pod = dataclasses.replace(make_pod(reports=None), report_error="70 report annotations for "
+                              "at most 2 (one per daemon container)")
+    verdict = gate.evaluate_node(gpu_spec, gpu_hash, [pod])
+    assert (verdict.ok, verdict.reason) == (False, gate.REPORT_MALFORMED)
+    assert "70 report annotations" in verdict.message

@@ -24,7 +24,7 @@ def test_daemon_pod_view() -> None:
                 {"kind": "DaemonSet", "uid": "ds-uid", "controller": True},
             ],
         },
-        "spec": {"nodeName": "n1"},
+        "spec": {"nodeName": "n1", "containers": [{"name": "daemon-0"}, {"name": "daemon-1"}]},
         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
     view = views.daemon_pod_view(body)
@@ -34,7 +34,7 @@ def test_daemon_pod_view() -> None:
         reports={annotation_key("GPU-1"): "{}", annotation_key("GPU-2"): "[]"},
         spec_hash="h", created="2026-01-01T00:00:00Z", controller_uid="ds-uid",
         cache_namespace="ns",  # no label: the older layout, in the cache's own namespace
-        shape=shape_digest({"nodeName": "n1"}),
+        shape=shape_digest(body["spec"]),
     )
     body["metadata"]["labels"][names.CACHE_NAMESPACE_LABEL] = "team"
     assert views.daemon_pod_view(body).cache_namespace == "team"
@@ -149,3 +149,29 @@ def test_daemon_pod_view_sees_a_readiness_flap_and_restarts() -> None:
     assert views.daemon_pod_view(body).containers_running is False
     body["status"]["conditions"][0]["status"] = "True"
     assert views.daemon_pod_view(body).not_ready_since is None
+
+
+def test_a_pod_keeps_bounded_reports_and_only_under_a_daemonset() -> None:
+    """Issue 25 items 6 and 13: the operator once held whole report annotations of any pod
+    with the daemon labels (120 unscheduled pods of 250 KB: +33 MiB), and a daemon could
+    write 70 of them."""
+    def body(reports: dict[str, str], containers: int = 2, controller: str = "DaemonSet"):
+        return {"metadata": {"name": "p", "namespace": "ns", "annotations": reports,
+                             "ownerReferences": [{"kind": controller, "uid": "u",
+                                                  "controller": True}]},
+                "spec": {"containers": [{"name": f"daemon-{i}"} for i in range(containers)]}}
+
+    small = {annotation_key("GPU-1"): "{}"}
+    assert views.daemon_pod_view(body(small)).reports == small
+    huge = {annotation_key("GPU-1"): "x" * 250_000}
+    view = views.daemon_pod_view(body(huge))
+    assert view.reports == {} and view.report_error == (
+        f"{annotation_key('GPU-1')}: 250000 bytes, over the 4096-byte cap")
+    many = {annotation_key(f"GPU-{i}"): "{}" for i in range(3)}
+    view = views.daemon_pod_view(body(many))
+    assert view.reports == {} and view.report_error == (
+        "3 report annotations for at most 2 (one per daemon container)")
+    # No DaemonSet, nothing kept: such a pod can never count.
+    for controller in ("ReplicaSet", None):
+        view = views.daemon_pod_view(body(huge, controller=controller or "x"))
+        assert view.reports == {} and view.report_error is None
