@@ -103,7 +103,7 @@ def render_daemonset(
             "runAsGroup": spec.sidecar.run_as_group,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "initContainers": [_socket_dir_init(spec, policy.setup_image, cache_dir)],
+        "initContainers": [_socket_dir_init(spec, policy.setup_image, cache_dir, cache.uid)],
         "containers": [
             _daemon_container(spec, image, spec_hash, cache, slot) for slot in range(spec.slots)
         ],
@@ -170,10 +170,12 @@ def _hardened() -> dict[str, Any]:
     }
 
 
-def _socket_dir_init(spec: WeightCacheSpec, setup_image: str, cache_dir: str) -> dict[str, Any]:
+def _socket_dir_init(spec: WeightCacheSpec, setup_image: str, cache_dir: str,
+                     cache_uid: str) -> dict[str, Any]:
     # The daemon's socket directory must belong to the daemon's uid, which takes
     # a chown by root. That step runs from the operator's own image, sees only
     # the admin-allowed socket root, and refuses symlinks (weightcache_operator.socketdir).
+    # The cache's uid tells a directory made for an earlier cache of this name from its own.
     return {
         "name": "socket-dir",
         "image": setup_image,
@@ -185,6 +187,7 @@ def _socket_dir_init(spec: WeightCacheSpec, setup_image: str, cache_dir: str) ->
             cache_dir,
             str(spec.sidecar.run_as_user),
             str(spec.sidecar.run_as_group),
+            cache_uid,
         ],
         "securityContext": {
             **_hardened(),

@@ -196,7 +196,7 @@ def test_socket_dir_set_up_runs_from_the_operators_image_only() -> None:
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert init["command"] == [
         "python", "-m", "weightcache_operator.socketdir", SETUP_SOCKET_ROOT, "team.minilm",
-        "4242", "65533",
+        "4242", "65533", "uid-1",
     ]
     assert init["volumeMounts"] == [{"name": "socket-root", "mountPath": SETUP_SOCKET_ROOT}]
     for container in pod(ds)["containers"]:

@@ -100,3 +100,66 @@ def test_command_line(root: Path) -> None:
     (root / "evil").symlink_to("/etc")
     refused = run(str(root), "evil", "65533", "65533")
     assert refused.returncode == 1 and "refusing to follow" in refused.stderr
+
+
+def as_init_container(*args: str) -> subprocess.CompletedProcess[str]:
+    """The set-up step as the daemon pod's init container runs it: root with CAP_CHOWN alone
+    (no CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH or CAP_FOWNER)."""
+    return subprocess.run(
+        ["setpriv", "--bounding-set", "-all,+chown", "--inh-caps", "-all", "--",
+         sys.executable, "-m", "weightcache_operator.socketdir", *args],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def daemon_was_here(directory: Path, uid: int) -> None:
+    """What a daemon of `uid` leaves: its private state (the re-adoption key) and sockets."""
+    private, engines = directory / ".daemon", directory / "engines"
+    private.mkdir(mode=0o700)
+    (private / "cpu.sock.manifest").write_text('{"checksum_key": "secret"}')
+    engines.mkdir()
+    os.chmod(engines, 0o3770)
+    (engines / "1-abc.sock").write_text("")
+    for path in (private / "cpu.sock.manifest", engines / "1-abc.sock", private, engines):
+        os.chown(path, uid, uid)
+    os.chmod(directory, 0o750)
+
+
+def test_a_new_daemon_uid_or_a_new_cache_gets_a_fresh_directory(root: Path) -> None:
+    """Issue 25 item 10: changing runAsUser wedged the init container forever (EACCES on the
+    old uid's 0750 directory), and a cache deleted and created again under its name, with the
+    same uid, inherited its directory: the re-adoption key and manifest included."""
+    cache = root / "team.minilm"
+    first = as_init_container(str(root), "team.minilm", "65533", "65533")
+    assert first.returncode == 0, first.stderr
+    daemon_was_here(cache, 65533)
+
+    changed = as_init_container(str(root), "team.minilm", "4242", "4242")
+    assert changed.returncode == 0, changed.stderr  # once: EACCES, exit 1, every restart
+    st = cache.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (4242, 4242, 0o750)
+    assert list(cache.iterdir()) == []
+    assert sorted(p.name for p in root.iterdir()) == [".weightcache", "team.minilm"]
+
+    daemon_was_here(cache, 4242)
+    again = as_init_container(str(root), "team.minilm", "4242", "4242", "uid-1")
+    assert again.returncode == 0, again.stderr
+    assert (cache / ".daemon").exists()  # a restart keeps what its daemon left
+    recreated = as_init_container(str(root), "team.minilm", "4242", "4242", "uid-2")
+    assert recreated.returncode == 0, recreated.stderr
+    assert list(cache.iterdir()) == [] and cache.stat().st_uid == 4242
+    record = (root / ".weightcache" / "team.minilm").read_text().split()
+    assert record == ["uid-2", "4242", "4242"]
+    assert stat.S_IMODE((root / ".weightcache").stat().st_mode) == 0o700
+
+
+def test_a_directory_from_before_records_is_kept_and_recorded(root: Path) -> None:
+    """An upgrade must not throw away the weights' re-adoption state."""
+    cache = root / "team.minilm"
+    cache.mkdir()
+    daemon_was_here(cache, 65533)
+    result = as_init_container(str(root), "team.minilm", "65533", "65533", "uid-1")
+    assert result.returncode == 0, result.stderr
+    assert (cache / ".daemon").exists()
+    assert (root / ".weightcache" / "team.minilm").read_text().split() == [
+        "uid-1", "65533", "65533"]
