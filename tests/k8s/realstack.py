@@ -35,7 +35,6 @@ CACHE = "minilm"
 ENGINE = "minilm-engine"
 RELEASE = "weightcache"
 SYSTEM_NS = "weightcache-system"
-# The daemon's socket inside its container (operator's render.CONTAINER_SOCKET_ROOT).
 
 
 def reports_of(pod: k8s.V1Pod) -> dict[str, DeviceReport]:
@@ -133,14 +132,21 @@ class Stack:
                     and not s.unavailable_replicas)
 
     def diagnose(self) -> str:
-        """What the engines' and daemons' pods are waiting on, and their warnings."""
+        """What the engines' and daemons' pods are waiting on, their warnings, and the
+        daemon's last log lines."""
         pods = "".join(self.kubectl("get", "pods", "-n", ns, "-o", "wide")
                        for ns in (self.namespace, SYSTEM_NS))
         events = [f"{e.involved_object.name}: {e.reason}: {e.message}"
                   for ns in (self.namespace, SYSTEM_NS)
                   for e in self.api.core.list_namespaced_event(ns).items
                   if e.type == "Warning"]
-        return pods + "\n".join(events[-20:])
+        logs = []
+        pod = self.daemon_pod()
+        if pod is not None:
+            logs = [self.cluster.kubectl("logs", "-n", SYSTEM_NS, pod.metadata.name, "-c", c,
+                                         "--tail=20", check=False).stdout
+                    for c in ("socket-dir", "daemon")]
+        return pods + "\n".join(events[-20:] + logs)
 
     def steady(self, deployments: tuple[str, ...] = (ENGINE,)) -> None:
         """Wait until the daemon reports ready and the engine Deployments are fully available
