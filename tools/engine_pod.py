@@ -7,8 +7,9 @@ with the image of
 examples/minilm-engine.Dockerfile: the readiness gate with `maxUnavailable:
 0`, the cache's socket directory mounted read-only and its `engines/`
 hand-back directory writable (re-adoption), a uid of the engine's own in the
-daemon's group, and the checkpoint mounted for the engine's bit-equality
-check against a plain load.
+daemon's group, the daemon's uid pinned (`WEIGHTCACHE_DAEMON_UIDS`: the
+engine refuses any other listener before mapping anything), and the
+checkpoint mounted for the engine's bit-equality check against a plain load.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ CACHE_LABEL = "weightcache.dev/cache"
 ENGINE_UID = 1000
 # The engine's HTTP port (GET /embed?s=<i>, /reference; examples/minilm_engine_pod.py).
 HTTP_PORT = 8080
+# The CRD's default spec.sidecar.runAsUser.
+DAEMON_UID = 65533
 
 
 def engine_deployment(
@@ -35,6 +38,7 @@ def engine_deployment(
     model_dir: Path,
     version: str,
     daemon_gid: int,
+    daemon_uid: int = DAEMON_UID,
     replicas: int = 1,
     uid: int = ENGINE_UID,
     labels: Mapping[str, str] | None = None,
@@ -66,7 +70,12 @@ def engine_deployment(
                 "args": ["--model-dir", "/model", "--interval", "1", "--port", str(HTTP_PORT),
                          *extra_args],
                 "ports": [{"name": "http", "containerPort": HTTP_PORT}],
-                "env": [{"name": "WEIGHTCACHE_SOCKET", "value": f"{mount}/cpu.sock"}],
+                "env": [
+                    {"name": "WEIGHTCACHE_SOCKET", "value": f"{mount}/cpu.sock"},
+                    # Without it the engine trusts the socket directory's owner; pinned,
+                    # whoever else serves that path is refused before anything is mapped.
+                    {"name": "WEIGHTCACHE_DAEMON_UIDS", "value": str(daemon_uid)},
+                ],
                 # Ready means attached with bit-equal outputs (the engine's HTTP server starts
                 # only then); the gate adds "weights verified".
                 "readinessProbe": {

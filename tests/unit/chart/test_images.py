@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.unit.chart.chartkit import REPO_ROOT
+from tests.unit.chart.chartkit import CHART, REPO_ROOT
 
 DOCKERFILES = [
     REPO_ROOT / "operator" / "Dockerfile",
@@ -134,3 +135,18 @@ def test_pip_installs_are_pinned(dockerfile: Path) -> None:
                 local = word.startswith("/wheels/") or word.startswith("${wheel}")
                 assert local or "==" in word, f"{dockerfile}: pip install {word} is not pinned"
     assert installs, f"{dockerfile}: the final stage installs nothing"
+
+
+def test_the_daemon_image_runs_as_the_daemons_uid_not_the_operators() -> None:
+    """Issue 25 item 13: the sidecar image said USER 65532:65532, the operator's uid."""
+    from weightcache_operator.spec import DEFAULT_RUN_AS
+
+    def user(path: Path) -> str:
+        final = stages(path)[-1]
+        return [rest for keyword, rest in final.instructions if keyword == "USER"][-1]
+
+    operator_uid = yaml.safe_load((CHART / "values.yaml").read_text())[
+        "podSecurityContext"]["runAsUser"]
+    assert user(REPO_ROOT / "operator" / "Dockerfile") == f"{operator_uid}:{operator_uid}"
+    assert user(REPO_ROOT / "sidecar" / "Dockerfile") == f"{DEFAULT_RUN_AS}:{DEFAULT_RUN_AS}"
+    assert DEFAULT_RUN_AS != operator_uid
