@@ -148,7 +148,7 @@ def test_a_look_alike_the_daemonset_controller_adopts_counts_for_nothing(
         eventually("the DaemonSet controller adopts the look-alike", adopted)
         assert [p.metadata.name for p in api.daemon_pods(ns, name)] == [look_alike]
         samples = []
-        for _ in range(40):  # 20 s; the gate opened after 5
+        for _ in range(24):  # 12 s; the gate opened after 5
             (engine,) = api.engine_pods(ns, name, "v1")
             samples.append((adopted(), gate_of(engine), scene.label(),
                             api.status(ns, name).get("readyNodes", 0)))

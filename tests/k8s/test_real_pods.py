@@ -161,7 +161,7 @@ while time.monotonic() < end:
     time.sleep(0.2)
 print(json.dumps({"opened": opened, "failed": failed, "cut": cut, "held_at_end": len(held)}))
 """
-FLOOD_SECONDS = 45
+FLOOD_SECONDS = 30
 FLOOD_CONNECTIONS = 64
 
 
