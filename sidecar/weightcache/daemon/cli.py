@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from weightcache.daemon.health import STALL_SECONDS
-from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS
 from weightcache.daemon.lock import DaemonAlreadyRunning
 from weightcache.protocol import (
     MAX_REQUEST_BYTES,
@@ -86,6 +85,7 @@ def _positive_float(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     from weightcache.checkpoint import TORCH_DTYPES
+    from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS
     from weightcache.daemon.seed import WAIT_SECONDS
     from weightcache.transport import TRANSPORT_NAMES
 

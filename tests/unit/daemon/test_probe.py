@@ -110,3 +110,16 @@ def test_probes_are_answered_while_engines_hold_every_connection(daemons, minilm
     assert "busy" in bytes.fromhex(busy.stdout.strip()).decode(errors="replace")
     ready = probe("ready", "--socket", daemon.socket, user=DAEMON_UID)
     assert (ready.returncode, ready.stdout) == (0, "ready\n"), ready.stderr
+
+
+def test_the_probe_command_imports_no_torch() -> None:
+    """The kubelet runs it every few seconds; importing torch takes seconds (6 s in the
+    sidecar image on the CI machine, past the probes' timeouts: the kubelet restarted a
+    daemon that was serving, over and over). Nothing the entry point imports at module
+    level may pull torch in."""
+    check = subprocess.run(
+        [sys.executable, "-c", "import sys, weightcache.daemon.cli, weightcache.daemon.probe;"
+         " print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"],
+        capture_output=True, text=True, timeout=120, env=package_env())
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip() == "[]"
