@@ -223,7 +223,7 @@ def test_a_tenant_flooding_the_daemons_port_takes_no_engine_out_of_service(
                             stack.api.node_labels(stack.node).get(label)))
             # A scraper from another address is served while the flood lasts.
             scrapes.append("weightcache_ready" in stack.kubectl(
-                "get", "--raw", f"/api/v1/namespaces/{stack.namespace}/pods/"
+                "get", "--raw", f"/api/v1/namespaces/{daemon.metadata.namespace}/pods/"
                 f"{daemon.metadata.name}:{port}/proxy/metrics"))
             pod = stack.api.core.read_namespaced_pod("flood", attacker)
             if pod.status.phase not in ("Succeeded", "Failed"):
