@@ -141,6 +141,7 @@ def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, 
     cast_to = dtype_from_name(resident.config.dtype) if resident and resident.config.dtype else None
     records = {t.name: t for t in checkpoint.tensors}
     fds: dict[Path, int] = {}
+    batch = _CopyBatch()
     try:
         for c in plan.copies:
             dst_flat = storages[c.param]
@@ -151,7 +152,10 @@ def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, 
             )
             if source is not None:
                 view, rest = source
-                _copy(dst_flat, c.dst, view, rest)
+                if rest:
+                    _copy(dst_flat, c.dst, view, rest)
+                else:
+                    batch.add(_target(dst_flat, c.dst), view)
                 stats.copies_resident += 1
                 continue
             if record.file not in fds:
@@ -165,6 +169,7 @@ def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, 
                 _copy(dst_flat, dst, view, chain)
                 stats.bytes_from_disk += (hi - lo + 1) * record.dtype.itemsize
             stats.copies_disk += 1
+        batch.flush()
         for f in plan.fills:
             d = storages[f.param]
             d.as_strided(f.dst.shape, f.dst.stride, d.storage_offset() + f.dst.offset).fill_(
@@ -192,19 +197,49 @@ def _resident_view(
         if target_dtype(record.dtype, cast_to) != held or [*rest, to][0] != held:
             return None
         rest = rest[1:]
-    moved = rebase(src, record.shape, found.box_start, found.box_shape)
-    if moved is None:
-        return None
+    if found.box_shape == list(record.shape):
+        moved = src  # the whole tensor is resident (check_plan kept src inside it)
+    else:
+        moved = rebase(src, record.shape, found.box_start, found.box_shape)
+        if moved is None:
+            return None
     flat = found.flat
     view = flat.as_strided(moved.shape, moved.stride, flat.storage_offset() + moved.offset)
     return view, rest
 
 
+def _target(dst_flat: torch.Tensor, dst: Region) -> torch.Tensor:
+    return dst_flat.as_strided(dst.shape, dst.stride, dst_flat.storage_offset() + dst.offset)
+
+
 def _copy(dst_flat: torch.Tensor, dst: Region, src: torch.Tensor, chain) -> None:
     for dtype in chain:
         src = src.to(dtype)
-    target = dst_flat.as_strided(dst.shape, dst.stride, dst_flat.storage_offset() + dst.offset)
-    target.copy_(src)
+    _target(dst_flat, dst).copy_(src)
+
+
+class _CopyBatch:
+    """Resident copies with no intermediate cast, issued together: an MoE plan has thousands
+    of whole-expert copies, and one ``copy_`` each costs a kernel launch and its Python
+    round trip apiece (on the H200 that was most of an MoE layout's build time). The plan
+    writes no element twice, so the order they run in does not matter."""
+
+    LIMIT = 4096  # pairs held at once (a plan may have 2**22 copies)
+
+    def __init__(self) -> None:
+        self.targets: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+
+    def add(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        self.targets.append(target)
+        self.sources.append(source)
+        if len(self.targets) >= self.LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.targets:
+            torch._foreach_copy_(self.targets, self.sources)
+        self.targets, self.sources = [], []
 
 
 def _pieces(src: Region, dst: Region, itemsize: int) -> Iterator[tuple[Region, Region]]:

@@ -91,6 +91,24 @@ def test_a_built_layout_is_the_engines_own_load(toy, engine, daemon, source) -> 
         resident.close()
 
 
+def test_resident_copies_issued_in_several_batches_give_the_same_bytes(toy, monkeypatch) -> None:
+    from weightcache.daemon import build as build_module
+
+    monkeypatch.setattr(build_module._CopyBatch, "LIMIT", 2)
+    model_dir, tensors = toy
+    plan = traced()
+    resident = load_from_disk(model_dir, CPU, "memfd")
+    built, stats = build(model_dir, plan, resident)
+    try:
+        assert stats.copies_resident > 2 * build_module._CopyBatch.LIMIT
+        views = build_views(built.memory.buffers, built.layout)
+        expected = reference_params(plan, tensors)
+        assert [n for n in views if not same_bits(views[n], expected[n])] == []
+    finally:
+        built.close()
+        resident.close()
+
+
 def test_without_a_checkpoint_layout_everything_comes_from_disk(toy) -> None:
     model_dir, tensors = toy
     plan = traced(tp_rank=1, tp_size=2)
