@@ -152,7 +152,7 @@ def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, 
             )
             if source is not None:
                 view, rest = source
-                if rest:
+                if rest or view.dtype != dst_flat.dtype:
                     _copy(dst_flat, c.dst, view, rest)
                 else:
                     batch.add(_target(dst_flat, c.dst), view)
@@ -218,11 +218,16 @@ def _copy(dst_flat: torch.Tensor, dst: Region, src: torch.Tensor, chain) -> None
     _target(dst_flat, dst).copy_(src)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class _CopyBatch:
-    """Resident copies with no intermediate cast, issued together: an MoE plan has thousands
-    of whole-expert copies, and one ``copy_`` each costs a kernel launch and its Python
-    round trip apiece (on the H200 that was most of an MoE layout's build time). The plan
-    writes no element twice, so the order they run in does not matter."""
+    """Resident copies that change no dtype, issued together: an MoE plan has thousands of
+    whole-expert copies, and one ``copy_`` each costs a kernel launch and its Python round
+    trip apiece (on the H200 that was most of an MoE layout's build time). The plan writes
+    no element twice, so the order they run in does not matter. They are copied as integers
+    of the same width: ``_foreach_copy_`` passes floats through float32, which would rewrite
+    a NaN's payload bits (the daemon serves the checkpoint's bits, NaNs included)."""
 
     LIMIT = 4096  # pairs held at once (a plan may have 2**22 copies)
 
@@ -231,8 +236,9 @@ class _CopyBatch:
         self.sources: list[torch.Tensor] = []
 
     def add(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        self.targets.append(target)
-        self.sources.append(source)
+        bits = _BITS[target.element_size()]
+        self.targets.append(target.view(bits))
+        self.sources.append(source.view(bits))
         if len(self.targets) >= self.LIMIT:
             self.flush()
 
