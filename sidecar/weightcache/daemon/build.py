@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -33,13 +34,41 @@ from weightcache.shard import shard_tensor, split_dim
 from weightcache.transport.base import DaemonMemory, WeightCacheTransportBackend
 
 
-@dataclass(frozen=True)
-class _Resident:
-    """Where a checkpoint tensor sits in the checkpoint layout: its (shard's) elements."""
+class _Resident(NamedTuple):
+    """Where a checkpoint tensor sits in the checkpoint layout. ``box_*``: the block of the
+    whole tensor its rank holds (a tensor-parallel shard); None: all of it."""
 
-    flat: torch.Tensor  # 1-D, the resident dtype
-    box_start: list[int]
-    box_shape: list[int]
+    allocation: int
+    offset: int  # bytes
+    dtype: torch.dtype  # as held (the daemon may hold it cast)
+    box_start: list[int] | None
+    box_shape: list[int] | None
+
+
+class _Place(NamedTuple):
+    """Where a parameter's dense storage sits in the engine layout."""
+
+    allocation: int
+    offset: int  # bytes
+    dtype: torch.dtype
+    numel: int
+
+
+class _Typed:
+    """Regions of a transport's buffers as tensors of a given element type. Each buffer is
+    viewed once per type: a plan has thousands of copies, and slicing a device tensor for
+    each cost more than the copies themselves (an MoE layout on the H200)."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def region(self, allocation: int, offset: int, dtype: torch.dtype, r: Region) -> torch.Tensor:
+        base = self.views.get((allocation, dtype))
+        if base is None:
+            base = self.views[allocation, dtype] = self.buffers[allocation].view(dtype)
+        start = base.storage_offset() + offset // dtype.itemsize + r.offset
+        return base.as_strided(r.shape, r.stride, start)
 
 
 @dataclass
@@ -56,7 +85,7 @@ class BuildStats:
 
 
 def _residents(resident: ResidentWeights, checkpoint: Checkpoint) -> dict[str, _Resident]:
-    """Every checkpoint tensor of the checkpoint layout, as its rank's box of the whole."""
+    """Every checkpoint tensor of the checkpoint layout, with its rank's box of the whole."""
     shard = resident.config.shard
     records = {t.name: t for t in checkpoint.tensors}
     out = {}
@@ -64,15 +93,25 @@ def _residents(resident: ResidentWeights, checkpoint: Checkpoint) -> dict[str, _
         record = records.get(spec.name)
         if record is None:
             continue
-        buffer = resident.memory.buffers[allocation]
-        flat = buffer[offset : offset + spec.nbytes].view(spec.dtype)
-        dim = split_dim(shard.plan, record.name)
-        cut = shard_tensor(record.name, record.shape, record.nbytes, dim, shard.tp_size,
-                           shard.tp_rank)  # fmt: skip
-        start = [0] * len(record.shape)
-        if cut.dim is not None:
-            start[cut.dim] = shard.tp_rank * cut.shape[cut.dim]
-        out[spec.name] = _Resident(flat, start, list(cut.shape))
+        box_start = box_shape = None
+        if shard.tp_size > 1:
+            dim = split_dim(shard.plan, record.name)
+            cut = shard_tensor(record.name, record.shape, record.nbytes, dim, shard.tp_size,
+                               shard.tp_rank)  # fmt: skip
+            if cut.dim is not None:
+                box_start = [0] * len(record.shape)
+                box_start[cut.dim] = shard.tp_rank * cut.shape[cut.dim]
+                box_shape = list(cut.shape)
+        out[spec.name] = _Resident(allocation, offset, spec.dtype, box_start, box_shape)
+    return out
+
+
+def _places(layout) -> dict[str, _Place]:
+    out = {}
+    for g in layout.groups:
+        dtype = dtype_from_name(g.dtype)
+        for i, name in enumerate(g.names):
+            out[name] = _Place(g.allocation, g.offset + i * g.step, dtype, math.prod(g.shape))
     return out
 
 
@@ -118,44 +157,42 @@ def build_layout(
     return built, stats
 
 
-def param_storages(layout, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each parameter's dense storage as a 1-D tensor of its dtype over ``buffers``."""
-    out = {}
-    for g in layout.groups:
-        dtype = dtype_from_name(g.dtype)
-        size = math.prod(g.shape) * dtype.itemsize
-        buffer = buffers[g.allocation]
-        for i, name in enumerate(g.names):
-            start = g.offset + i * g.step
-            out[name] = buffer[start : start + size].view(dtype)
-    return out
-
-
 def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, stats, on_gpu):
-    storages = param_storages(layout, memory.buffers)
+    places = _places(layout)
+    out = _Typed(memory.buffers)
+
+    def target(place: _Place, r: Region, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return out.region(place.allocation, place.offset, dtype or place.dtype, r)
+
     if on_gpu:  # fresh device memory holds anything; memfd pages start zeroed
         for name, p in summary.params.items():
             if not p.complete:
-                storages[name].zero_()
+                place = places[name]
+                target(place, Region(0, [place.numel], [1])).zero_()
     residents = _residents(resident, checkpoint) if resident is not None else {}
+    held = _Typed(resident.memory.buffers) if resident is not None else None
     cast_to = dtype_from_name(resident.config.dtype) if resident and resident.config.dtype else None
     records = {t.name: t for t in checkpoint.tensors}
     fds: dict[Path, int] = {}
     batch = _CopyBatch()
     try:
         for c in plan.copies:
-            dst_flat = storages[c.param]
+            place = places[c.param]
             chain = [dtype_from_name(d) for d in c.casts]
             record = records[c.source]
-            source = _resident_view(
-                residents.get(c.source), record, c.src, chain, dst_flat.dtype, cast_to
-            )
-            if source is not None:
-                view, rest = source
-                if rest or view.dtype != dst_flat.dtype:
-                    _copy(dst_flat, c.dst, view, rest)
+            found = residents.get(c.source)
+            resolved = _resident_region(found, record, c.src, chain, place.dtype, cast_to)
+            if resolved is not None:
+                assert found is not None and held is not None
+                region, rest = resolved
+                nbytes = numel(region.shape) * place.dtype.itemsize
+                if rest or found.dtype != place.dtype or nbytes >= _CopyBatch.DIRECT_BYTES:
+                    source = held.region(found.allocation, found.offset, found.dtype, region)
+                    _copy(target(place, c.dst), source, rest)
                 else:
-                    batch.add(_target(dst_flat, c.dst), view)
+                    bits = _BITS[place.dtype.itemsize]
+                    source = held.region(found.allocation, found.offset, bits, region)
+                    batch.add(target(place, c.dst, bits), source)
                 stats.copies_resident += 1
                 continue
             if record.file not in fds:
@@ -164,17 +201,14 @@ def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, 
                 lo, hi = extent(src)  # type: ignore[misc]
                 span = _read(fds[record.file], record, lo, hi, on_gpu)
                 if on_gpu:
-                    span = span.to(dst_flat.device)
+                    span = span.to(memory.buffers[place.allocation].device)
                 view = span.as_strided(src.shape, src.stride, src.offset - lo)
-                _copy(dst_flat, dst, view, chain)
+                _copy(target(place, dst), view, chain)
                 stats.bytes_from_disk += (hi - lo + 1) * record.dtype.itemsize
             stats.copies_disk += 1
         batch.flush()
         for f in plan.fills:
-            d = storages[f.param]
-            d.as_strided(f.dst.shape, f.dst.stride, d.storage_offset() + f.dst.offset).fill_(
-                f.value
-            )
+            target(places[f.param], f.dst).fill_(f.value)
         if on_gpu:
             torch.cuda.synchronize()
     finally:
@@ -182,63 +216,54 @@ def _execute(plan, summary, layout, memory: DaemonMemory, checkpoint, resident, 
             os.close(fd)
 
 
-def _resident_view(
+def _resident_region(
     found: _Resident | None, record: TensorRecord, src: Region, chain, to: torch.dtype, cast_to
-):
-    """The copy's source as a view of the checkpoint layout, and the casts still to apply
-    (before the one to ``to``, the parameter's dtype); None where those bytes are not
-    resident (another rank's, or cast otherwise)."""
+) -> tuple[Region, list[torch.dtype]] | None:
+    """The copy's source as a region of the tensor as the checkpoint layout holds it, and
+    the casts still to apply (before the one to ``to``, the parameter's dtype); None where
+    those bytes are not resident (another rank's, or cast otherwise)."""
     if found is None:
         return None
-    held = found.flat.dtype
     rest = list(chain)
-    if held != record.dtype:
+    if found.dtype != record.dtype:
         # The layout holds the tensor cast; that serves copies whose first cast is the same.
-        if target_dtype(record.dtype, cast_to) != held or [*rest, to][0] != held:
+        if target_dtype(record.dtype, cast_to) != found.dtype or [*rest, to][0] != found.dtype:
             return None
         rest = rest[1:]
-    if found.box_shape == list(record.shape):
-        moved = src  # the whole tensor is resident (check_plan kept src inside it)
-    else:
-        moved = rebase(src, record.shape, found.box_start, found.box_shape)
-        if moved is None:
-            return None
-    flat = found.flat
-    view = flat.as_strided(moved.shape, moved.stride, flat.storage_offset() + moved.offset)
-    return view, rest
+    if found.box_shape is None:
+        return src, rest  # the whole tensor is held (check_plan kept src inside it)
+    moved = rebase(src, record.shape, found.box_start, found.box_shape)
+    return None if moved is None else (moved, rest)
 
 
-def _target(dst_flat: torch.Tensor, dst: Region) -> torch.Tensor:
-    return dst_flat.as_strided(dst.shape, dst.stride, dst_flat.storage_offset() + dst.offset)
-
-
-def _copy(dst_flat: torch.Tensor, dst: Region, src: torch.Tensor, chain) -> None:
+def _copy(target: torch.Tensor, src: torch.Tensor, chain) -> None:
     for dtype in chain:
         src = src.to(dtype)
-    _target(dst_flat, dst).copy_(src)
+    target.copy_(src)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _CopyBatch:
-    """Resident copies that change no dtype, issued together: an MoE plan has thousands of
-    whole-expert copies, and one ``copy_`` each costs a kernel launch and its Python round
-    trip apiece (on the H200 that was most of an MoE layout's build time). The plan writes
-    no element twice, so the order they run in does not matter. They are copied as integers
-    of the same width: ``_foreach_copy_`` passes floats through float32, which would rewrite
-    a NaN's payload bits (the daemon serves the checkpoint's bits, NaNs included)."""
+    """Small resident copies that change no dtype, issued together: an MoE plan has
+    thousands of whole-expert copies, and one ``copy_`` each costs a kernel launch and a
+    Python round trip. The plan writes no element twice, so their order does not matter.
+    They are given as integers of the same width: ``_foreach_copy_`` passes floats through
+    float32, which rewrote NaN payloads on the H200 (the daemon serves the checkpoint's
+    bits). Copies of ``DIRECT_BYTES`` or more go alone: ``copy_`` moves them at memcpy
+    speed, the batched kernel slower (benchmarks/README.md)."""
 
     LIMIT = 4096  # pairs held at once (a plan may have 2**22 copies)
+    DIRECT_BYTES = 8 << 20
 
     def __init__(self) -> None:
         self.targets: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
 
     def add(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        bits = _BITS[target.element_size()]
-        self.targets.append(target.view(bits))
-        self.sources.append(source.view(bits))
+        self.targets.append(target)
+        self.sources.append(source)
         if len(self.targets) >= self.LIMIT:
             self.flush()
 

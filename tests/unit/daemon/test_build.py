@@ -91,10 +91,15 @@ def test_a_built_layout_is_the_engines_own_load(toy, engine, daemon, source) -> 
         resident.close()
 
 
-def test_resident_copies_issued_in_several_batches_give_the_same_bytes(toy, monkeypatch) -> None:
+@pytest.mark.parametrize("direct_bytes", [1 << 30, 64])
+def test_resident_copies_issued_in_several_batches_give_the_same_bytes(
+    toy, monkeypatch, direct_bytes
+) -> None:
+    """Batches of two pairs; with 64, copies of 64 bytes or more go alone, the rest batched."""
     from weightcache.daemon import build as build_module
 
     monkeypatch.setattr(build_module._CopyBatch, "LIMIT", 2)
+    monkeypatch.setattr(build_module._CopyBatch, "DIRECT_BYTES", direct_bytes)
     model_dir, tensors = toy
     plan = traced()
     resident = load_from_disk(model_dir, CPU, "memfd")
