@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from weightcache.checkpoint import Checkpoint, checkpoint_sources
-from weightcache.daemon.build import build_layout
+from weightcache.daemon.build import build_layout, warm_batched_copy
 from weightcache.daemon.resident import ResidentWeights
 from weightcache.daemon.server import fetch_state_reply
 from weightcache.plan import LoadPlan, PlanError, PlanSummary, check_plan, plan_hash
@@ -94,6 +94,7 @@ class Holdings:
         self._checkpoint_headers = checkpoint
         self._sources = checkpoint_sources(checkpoint)
         self._device = device
+        warm_batched_copy(device)
         self._backend = get_daemon_transport_backend(transport)
         self._load_checkpoint = load_checkpoint
         self._keep_checkpoint = keep_checkpoint
