@@ -303,3 +303,105 @@ def test_a_draft_model_loads_from_disk_unless_it_has_a_cache_of_its_own(
     unusable = loader_for({"socket": absent, "draft_socket": absent, "wait_ready_s": 0})
     with pytest.raises(DaemonUnavailable, match="fallback is off"):
         unusable.attachment(draft, CPU)
+
+
+# --------------------------------------------------------------------------- SGLang's own layout
+
+
+def assert_mapped_whole(result: dict) -> None:
+    """One rank's load (sglang_layout_kit.outcome): bit-equal to SGLang's own, and every
+    parameter the daemon's memory, read from its own storage."""
+    assert result["layout"] is not None, result["reason"]
+    assert result["names"] == result["cold_names"] and result["names"]
+    assert result["differ"] == []
+    assert result["outside"] == [] and result["reported"] == {}
+    assert result["mapped_bytes"] == result["reported_mapped_bytes"] == result["total_bytes"]
+    assert result["reported_copied_bytes"] == 0
+    # SGLang's scheduler adds back exactly the layout it maps.
+    assert result["preloaded"] == result["layout_bytes"] >= result["total_bytes"]
+
+
+def own_layout_daemons(session_daemons, model_dirs: dict, tp: int) -> dict:
+    """One daemon per (model, rank), each serving <its workdir>/tests.tiny/cpu.sock."""
+    from tests.engines.sglang_layout_kit import CACHE
+
+    shard = ("--tp-size", str(tp), "--shard-plan", "llama") if tp > 1 else ()
+    return {
+        (kind, rank): session_daemons(
+            model_dir, "--transport", "memfd", *shard,
+            *(("--tp-rank", str(rank)) if tp > 1 else ()), socket_name=f"{CACHE}/cpu.sock",
+        )  # fmt: skip
+        for kind, model_dir in model_dirs.items()
+        for rank in range(tp)
+    }
+
+
+def load_in_ranks(session_daemons, model_dirs: dict, dtype: str, tp: int, workdir: Path):
+    """Each model through our loader and SGLang's own, in ``tp`` rank processes joined by
+    SGLang's own process groups (gloo)."""
+    from tests.engines.enginekit import run_ranks
+
+    daemons = own_layout_daemons(session_daemons, model_dirs, tp)
+    jobs = [
+        [f"{kind}={model_dir}={dtype}={daemons[kind, rank].workdir}"
+         for kind, model_dir in model_dirs.items()]
+        for rank in range(tp)
+    ]  # fmt: skip
+    try:
+        return run_ranks("tests.engines.sglang_layout_kit", jobs, workdir)
+    finally:
+        for daemon in daemons.values():
+            daemon.terminate()
+
+
+def test_load_model_maps_sglangs_own_layout_of_bert_bit_equal_to_a_cold_load(
+    session_daemons, minilm_dir, tmp_path
+) -> None:
+    """SGLang's BertModel (MiniLM) through our loader: SGLang's load_weights and
+    post-processing traced on meta become a plan, the daemon builds that layout (fused
+    qkv_proj, padded vocabulary), and every parameter is the daemon's memory, none
+    copied (the checkpoint layout copied 64 % of the bytes), bit-equal to SGLang's
+    DefaultModelLoader."""
+    ((result,),) = load_in_ranks(session_daemons, {"bert": minilm_dir}, "float32", 1, tmp_path)
+    assert_mapped_whole(result)
+    fused = [n for n in result["names"] if n.endswith("qkv_proj.weight")]
+    assert len(fused) == 6
+    (words,) = [n for n in result["shapes"] if n.endswith("embeddings.word_embeddings.weight")]
+    assert result["shapes"][words][0] > 30522  # padded
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from tests.engines.tiny_models import CONFIGS, write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_qwen2_and_moe_classes_map_sglangs_own_layout_at_tp(
+    tp, session_daemons, tiny_dirs, tmp_path
+) -> None:
+    """SGLang's own LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases, tied embeddings),
+    MixtralForCausalLM and Qwen2MoeForCausalLM (experts stacked into w13/w2), tiny bf16
+    configs with random weights: at TP 1 and at TP 2 (two rank processes, a daemon per
+    rank holding its shard, SGLang's loaders sharding fused and stacked parameters), every
+    parameter of every rank is the daemon's memory and equals SGLang's own load."""
+    from tests.engines.tiny_models import EXPERTS, VOCAB
+
+    results = load_in_ranks(session_daemons, tiny_dirs, "bfloat16", tp, tmp_path)
+    assert len(results) == tp
+    for rank_results in results:
+        assert [r["kind"] for r in rank_results] == list(tiny_dirs)
+        for result in rank_results:
+            assert_mapped_whole(result)
+            shapes = result["shapes"]
+            assert any(n.endswith("qkv_proj.weight") for n in shapes)
+            assert shapes["model.embed_tokens.weight"][0] * tp >= VOCAB
+            if result["kind"] in ("mixtral", "qwen2_moe"):
+                stacked = [n for n in shapes if n.endswith(("w13_weight", "w2_weight"))]
+                assert len(stacked) == 4 and all(shapes[n][0] == EXPERTS for n in stacked)
+            if result["kind"] in ("qwen2", "qwen2_moe"):
+                assert any(n.endswith("qkv_proj.bias") for n in shapes)
+    if tp == 2:  # each rank its own shard: its own plan
+        assert all(a["layout"] != b["layout"] for a, b in zip(*results, strict=True))

@@ -8,11 +8,13 @@ as a user would. Three server starts, each adding evidence the others lack:
    weightcache through the extra config waits 10 s, says why at WARNING and
    loads from disk with SGLang's own ``DefaultModelLoader``: a cold load by
    the engine's own loader, so its embeddings are the reference;
-2. the launcher (``weightcache-sglang``): the daemon's weights, bit-equal to
-   the reference, one fetch on the daemon's own counter, the mapped/copied
-   line, and every weight-mutating API refused while the server serves on;
+2. the launcher (``weightcache-sglang``): SGLang's own layout from the
+   daemon (``fetch_layout`` on the daemon's own counter, never its
+   checkpoint layout), embeddings bit-equal to the reference, the log line
+   saying every parameter is mapped and none in engine memory, and every
+   weight-mutating API refused while the server serves on;
 3. a restart through the plugin route (the launcher's server stopped first):
-   attaches to the same daemon again.
+   maps the same layout again, one ``fetch_layout``.
 
 That an unsupported SGLang with weightcache installed keeps its own loaders is
 shown in tests/engines/test_sglang.py (SGLang's plugin loader and loader
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,7 +40,11 @@ from tests.unit.wc_harness import free_port  # noqa: E402
 
 TEXTS = ["weights stay resident", "an engine restarts in milliseconds", "short"]
 START_WITHIN_S = 600  # a loaded 2-core machine; a quiet one starts in about a minute
-MAPPED_LINE = "mapped zero-copy over memfd"
+# The loader's line: every parameter the daemon's memory, none in engine memory.
+LAYOUT_LINE = re.compile(
+    r"weightcache: SGLang's own layout \(plan [0-9a-f]{12}\) over memfd from daemon pid \d+: "
+    r"\d+ parameter\(s\) \(\d+ bytes\) mapped zero-copy, 0 \(0 bytes\) in engine memory"
+)
 READ_ONLY = "mapped read-only from the weightcache daemon"
 
 
@@ -93,7 +100,7 @@ def cold(minilm_dir, tmp) -> tuple[list, str, Path]:
 @pytest.fixture(scope="module")
 def launched(memfd_daemon, minilm_dir, tmp):
     """The launcher route: weightcache-sglang with SGLang's own arguments."""
-    before = fetches(memfd_daemon)
+    before = fetches(memfd_daemon), fetches(memfd_daemon, "fetch_layout")
     port = free_port()
     launcher = "weightcache.integrations.sglang.launch"
     argv = [sys.executable, "-m", launcher, *sglang_args(minilm_dir, port),
@@ -112,10 +119,13 @@ def test_without_a_daemon_the_server_loads_from_disk_saying_why(cold) -> None:
 
 
 def test_the_launcher_serves_the_daemons_weights_bit_equal(launched, cold, memfd_daemon):
-    server, before = launched
+    server, (checkpoint, own) = launched
     assert embeddings(server) == cold[0]
-    assert fetches(memfd_daemon) == before + 1  # one fetch: SGLang's single TP rank
-    assert MAPPED_LINE in server.log()  # the bytes line, at SGLang's default level
+    # SGLang's own layout, never the checkpoint's; the first start may have the daemon
+    # build it (asked by hash, then with the plan, then until built).
+    assert fetches(memfd_daemon) == checkpoint
+    assert fetches(memfd_daemon, "fetch_layout") - own >= 1
+    assert LAYOUT_LINE.search(server.log())  # the bytes line, at SGLang's default level
 
 
 def update_payloads(model: Path) -> dict[str, dict]:
@@ -176,12 +186,14 @@ def test_an_unmodified_launch_server_attaches_again_through_the_plugin(
     sglang.launch_server --model-loader-extra-config`: attaches to the same daemon again."""
     first, _ = launched
     first.stop()
-    before = fetches(memfd_daemon)
+    checkpoint, own = fetches(memfd_daemon), fetches(memfd_daemon, "fetch_layout")
     port = free_port()
     server = start(plugin_route(minilm_dir, port, memfd_daemon.socket), port, tmp, "plugin")
     try:
         assert embeddings(server) == cold[0]
-        assert fetches(memfd_daemon) == before + 1
-        assert MAPPED_LINE in server.log()
+        # The layout is held now: one attach, SGLang's single TP rank.
+        assert fetches(memfd_daemon) == checkpoint
+        assert fetches(memfd_daemon, "fetch_layout") == own + 1
+        assert LAYOUT_LINE.search(server.log())
     finally:
         server.stop()

@@ -1,10 +1,17 @@
 """The weightcache SGLang model loader: a class SGLang's ``get_model_loader`` instantiates.
 
-``load_model`` attaches to this rank's daemon (or decides to load from disk),
-builds the model with parameters on meta and maps the daemon's tensors into
-it; ``preloaded_weights_bytes`` then tells SGLang's scheduler how many bytes
-were resident before its memory baseline, which it adds back through
-``ModelRunner.account_preloaded_weights`` (0 after a disk fallback).
+``load_model`` first asks this rank's daemon for SGLang's own layout
+(:mod:`..layouts`): SGLang's ``load_weights`` and post-processing traced on
+a throwaway model built on meta, the daemon building that plan from the
+bytes it verified; every parameter of the real model is then mapped from
+it, fused ``qkv_proj``/``gate_up_proj``, stacked experts, padded
+vocabularies and TP shards included, and mapped/copied bytes are read from
+the parameters' own storages. Where no layout can be had it maps the
+daemon's checkpoint layout (:mod:`..loading`; what SGLang fuses is copied by
+its own weight loaders) or loads from disk. ``preloaded_weights_bytes`` then
+tells SGLang's scheduler how many bytes were resident before its memory
+baseline, which it adds back through ``ModelRunner.account_preloaded_weights``
+(0 after a disk fallback).
 """
 
 from __future__ import annotations
@@ -27,8 +34,17 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 from torch import nn
 
+from weightcache.checkpoint import checkpoint_files, checkpoint_sources, read_checkpoint
 from weightcache.client import meta_parameters
 from weightcache.devices import gpu_uuid
+from weightcache.integrations.layouts import (
+    LayoutDecision,
+    LayoutLoad,
+    describe_copied,
+    engine_layout,
+    map_engine_layout,
+    storage_report,
+)
 from weightcache.integrations.loading import (
     Attachment,
     EngineTarget,
@@ -40,6 +56,7 @@ from weightcache.integrations.loading import (
 )
 from weightcache.integrations.settings import AdapterSettings
 from weightcache.integrations.sglang import CONFIG_KEY
+from weightcache.integrations.trace import TraceReport, trace_load
 from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -74,17 +91,27 @@ class WeightcacheModelLoader(BaseModelLoader):
         extra = load_config.model_loader_extra_config or {}
         self.settings = AdapterSettings.from_sources(extra.get(CONFIG_KEY), os.environ)
         self._decided: Attachment | None = None
+        self._layout: LayoutDecision | None = None
+        # With SGLang's own layout: where every parameter lives after post-processing.
+        self.layout_load: LayoutLoad | None = None
 
     @property
     def preloaded_weights_bytes(self) -> int:
-        """The daemon's bytes on this rank (0 after a disk fallback), read by SGLang's
-        ``ModelRunner.preloaded_weights_bytes`` once ``load_model`` has run."""
+        """The daemon's bytes on this rank (its own layout's, else the checkpoint layout's;
+        0 after a disk fallback), read by SGLang's ``ModelRunner.preloaded_weights_bytes``
+        once ``load_model`` has run."""
+        if self._layout is not None and self._layout.attached is not None:
+            return self._layout.layout_bytes
         return 0 if self._decided is None else self._decided.preloaded_weights_bytes
 
     def download_model(self, model_config: ModelConfig) -> None:
         local_model_dir(model_config.model_path)  # nothing to download: the daemon's directory
 
     def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        if not getattr(model_config, "is_draft_model", False):
+            layout = self.layout(model_config, device_config)
+            if layout.attached is not None:
+                return self._load_layout(model_config, device_config, layout)
         decided = self.attachment(model_config, device_config)
         if decided.attached is None:
             model = self._disk_loader().load_model(
@@ -131,6 +158,51 @@ class WeightcacheModelLoader(BaseModelLoader):
         model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
         return model.eval()
 
+    def _load_layout(
+        self, model_config: ModelConfig, device_config: DeviceConfig, layout: LayoutDecision
+    ) -> nn.Module:
+        device = _device(device_config)
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            model = _initialize_model(model_config, self.load_config, None)
+        with device:
+            own = map_engine_layout(
+                model, layout, device, engine_load_weights=model.load_weights,
+                checkpoint_files=checkpoint_files(local_model_dir(model_config.model_path)),
+            )  # fmt: skip
+        DefaultModelLoader.postprocess_weights(model, device)
+        self.layout_load = load = storage_report(model, layout.attached, own)
+        attached = layout.attached
+        log.info(
+            "weightcache: SGLang's own layout (plan %s) over %s from daemon pid %d: %d "
+            "parameter(s) (%d bytes) mapped zero-copy, %d (%d bytes) in engine memory%s",
+            attached.config.plan[:12], attached.transport, attached.daemon_pid,
+            len(load.mapped), load.mapped_bytes, len(load.copied), load.copied_bytes,
+            f": {describe_copied(load.copied)}" if load.copied else "",
+        )  # fmt: skip
+        model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
+        return model.eval()
+
+    def layout(self, model_config: ModelConfig, device_config: DeviceConfig) -> LayoutDecision:
+        """The target model's own layout from this rank's daemon, or why not (decided once
+        per process)."""
+        socket, candidates = self._target(model_config, device_config, self.settings)
+        device = _device(device_config)
+        self._layout = engine_layout(
+            self.settings, socket, candidates, lambda: self._trace(model_config, device)
+        )
+        return self._layout
+
+    def _trace(self, model_config: ModelConfig, device: torch.device) -> TraceReport:
+        """SGLang's loading and post-processing of a throwaway meta model, as a plan."""
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            twin = _initialize_model(model_config, self.load_config, None)
+        sources = checkpoint_sources(read_checkpoint(local_model_dir(model_config.model_path)))
+        return trace_load(
+            twin, sources,
+            lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
+            post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
+        )  # fmt: skip
+
     def attachment(self, model_config: ModelConfig, device_config: DeviceConfig) -> Attachment:
         """This rank's attach decision for the target or a speculative draft (made once
         per process, then cached); load_model's first step, after which
@@ -142,6 +214,14 @@ class WeightcacheModelLoader(BaseModelLoader):
                 log.info(DRAFT_FROM_DISK, model_config.model_path)
                 self._decided = Attachment("", None, "a draft model without a cache of its own")
                 return self._decided
+        socket, candidates = self._target(model_config, device_config, settings)
+        self._decided = attachment(settings, socket, candidates)
+        return self._decided
+
+    def _target(
+        self, model_config: ModelConfig, device_config: DeviceConfig, settings: AdapterSettings
+    ) -> tuple[str, list]:
+        """This rank's daemon socket and the configs it may hold."""
         if model_config.quantization is not None:
             raise ValueError(
                 f"weightcache does not serve quantized models ({model_config.quantization!r}): "
@@ -162,9 +242,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             revision=model_config.revision,
         )
         uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
-        socket = settings.socket_for(uuid, tp_size)
-        self._decided = attachment(settings, socket, expected_configs(target))
-        return self._decided
+        return settings.socket_for(uuid, tp_size), expected_configs(target)
 
     def _disk_loader(self) -> DefaultModelLoader:
         return DefaultModelLoader(
