@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from tests.gpu.conftest import start_daemon
+from tests.unit.wc_harness import wait_until
 from tools.plan_fixtures import Fixture, fixture_paths, read_fixture
 from weightcache.checkpoint import cache_config, dtype_from_name, read_checkpoint
 from weightcache.client import attach_layout, daemon_status
@@ -107,13 +108,14 @@ def build_once(model_dir: Path, fixture: Fixture, run: Path) -> tuple[dict, obje
     # written (the digest's GPU temporaries returned), so nothing moves the device's free
     # memory while the engine measures it.
     manifest = Path(manifest_path(daemon.socket_path, fixture.plan_hash))
-    deadline = time.monotonic() + 120
-    while True:
+
+    def settled():
         status = daemon_status(daemon.socket_path)
-        if [lay.plan for lay in status.layouts] == [fixture.plan_hash] and manifest.exists():
-            break
-        assert time.monotonic() < deadline, f"daemon did not settle: {status.layouts}"
-        time.sleep(0.1)
+        held = [lay.plan for lay in status.layouts] == [fixture.plan_hash]
+        return status if held and manifest.exists() else None
+
+    status = wait_until(settled, "the daemon to hold only the engine layout, its manifest written",
+                        within=120, interval=0.1)  # fmt: skip
     (layout,) = status.layouts
     assert layout.state == "ready" and layout.source == "resident"
     return {"seconds": layout.seconds, "bytes": layout.bytes,

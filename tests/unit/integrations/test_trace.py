@@ -236,7 +236,7 @@ def test_a_stacked_and_transposed_loader_is_followed() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_transformers_models_loaded_by_load_state_dict(arch) -> None:
     """Hugging Face model classes (tied embeddings for qwen2) through torch's own loader."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency (pyproject's test extra)
     if arch == "llama":
         config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48,
                                           num_hidden_layers=2, num_attention_heads=4,
