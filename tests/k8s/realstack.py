@@ -37,6 +37,29 @@ RELEASE = "weightcache"
 SYSTEM_NS = "weightcache-system"
 
 
+def tenant_pod(name: str, image: str, node: str, command: list[str],
+               host_network: bool = False) -> dict[str, Any]:  # fmt: skip
+    """A pod as any tenant may run one on ``node``: non-root, the restricted profile."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "hostNetwork": host_network,
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 4242, "runAsGroup": 4242,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": name, "image": image, "imagePullPolicy": "Never", "command": command,
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}},
+            }],
+        },
+    }  # fmt: skip
+
+
 def reports_of(pod: k8s.V1Pod) -> dict[str, DeviceReport]:
     return decode_pod_reports(report_annotations(pod.metadata.annotations or {}))
 

@@ -19,6 +19,7 @@ from typing import Any
 from kubernetes import client as k8s
 
 from tests.k8s.operator_flow import eventually
+from tests.k8s.realstack import tenant_pod
 from tools.testenv import cgroups, images, nodeclean, nodeconfig
 from tools.testenv.assets import K8S_VERSION
 from tools.testenv.cluster import Cluster
@@ -42,25 +43,7 @@ print(json.dumps(out))
 
 
 def probe_pod(name: str, image: str, host_network: bool, node_name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "hostNetwork": host_network,
-            "restartPolicy": "Never",
-            "nodeSelector": {"kubernetes.io/hostname": node_name},
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 4242, "runAsGroup": 4242,
-                                "seccompProfile": {"type": "RuntimeDefault"}},
-            "containers": [{
-                "name": "probe", "image": image, "imagePullPolicy": "Never",
-                "command": ["python3", "-c", PROBE],
-                "securityContext": {"allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]}},
-            }],
-        },
-    }
+    return tenant_pod(name, image, node_name, ["python3", "-c", PROBE], host_network)
 
 
 def run_to_completion(cluster: Cluster, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from tests.k8s.realstack import (
     deploy,
     installed,
     reports_of,
+    tenant_pod,
     weightcache,
 )
 from tools import engine_pod
@@ -167,25 +168,8 @@ FLOOD_CONNECTIONS = 64
 
 def flood_pod(image: str, node: str, host: str, port: int) -> dict[str, Any]:
     """A non-root pod of another namespace, as any tenant may run one."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "flood"},
-        "spec": {
-            "restartPolicy": "Never",
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 4242, "runAsGroup": 4242,
-                                "seccompProfile": {"type": "RuntimeDefault"}},
-            "containers": [{
-                "name": "flood", "image": image, "imagePullPolicy": "Never",
-                "command": ["python", "-c", FLOOD, host, str(port), str(FLOOD_SECONDS),
-                            str(FLOOD_CONNECTIONS)],
-                "securityContext": {"allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]}},
-            }],
-        },
-    }
+    command = ["python", "-c", FLOOD, host, str(port), str(FLOOD_SECONDS), str(FLOOD_CONNECTIONS)]
+    return tenant_pod("flood", image, node, command)
 
 
 def test_a_tenant_flooding_the_daemons_port_takes_no_engine_out_of_service(
