@@ -73,8 +73,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         path = args.socket or read_socket_path(args.socket_path_file)
-    except OSError as exc:
-        print(f"not {args.check}: {exc}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"not {args.check}: {args.socket_path_file}: {exc}", file=sys.stderr)
         return 1
     ok, message = ask(path, args.check, args.timeout)
     print(message or ("ok" if ok else f"not {args.check}"), file=sys.stdout if ok else sys.stderr)

@@ -72,6 +72,11 @@ def test_no_daemon_is_neither_live_nor_ready(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "No such file" in missing.stderr
     no_file = probe("ready", "--socket-path-file", str(tmp_path / "none"))
     assert no_file.returncode == 1 and "not ready" in no_file.stderr
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"\xff\xfe not a path")
+    bad = probe("live", "--socket-path-file", str(garbage))
+    assert bad.returncode == 1 and f"not live: {garbage}" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_a_listener_of_another_uid_is_not_believed(daemons) -> None:
