@@ -58,6 +58,16 @@ def test_every_venv_has_its_pins_and_an_engine_with_tests() -> None:
         assert venv.engine in engine_venvs.ENGINES
         for module in venv.tests:
             assert (engine_venvs.REPO_ROOT / "tests" / "engines" / module).is_file(), module
+        # A deselected test exists in one of the venv's modules (a renamed test would
+        # otherwise run again unnoticed) and runs in another venv of the same engine.
+        for test in venv.deselect:
+            module, function = test.split("::")
+            source = (engine_venvs.REPO_ROOT / "tests" / "engines" / module).read_text()
+            assert module in venv.tests and f"def {function.split('[')[0]}(" in source, test
+            assert any(
+                other.engine == venv.engine and module in other.tests and test not in other.deselect
+                for other in engine_venvs.VENVS.values()
+            ), test
 
 
 def test_the_hash_covers_an_overrides_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -29,7 +29,8 @@ def run_tests(name: str) -> int:
         "PYTHONPATH": os.pathsep.join(map(str, paths)),
     }
     modules = [f"tests/engines/{module}" for module in venv.tests]
-    argv = [str(python), "-m", "pytest", "-rs", "-p", "no:cacheprovider", *modules]
+    deselected = [f"--deselect=tests/engines/{test}" for test in venv.deselect]
+    argv = [str(python), "-m", "pytest", "-rs", "-p", "no:cacheprovider", *modules, *deselected]
     print(f"+ [{name}]", " ".join(argv), flush=True)
     return subprocess.run(argv, cwd=REPO_ROOT, env=env).returncode
 
