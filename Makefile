@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the package's declared dependencies change.
 VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv csi-stubs testenv demo demo-k8s test lint test-unit test-gpu test-engines soak manifests clean
+.PHONY: venv csi-stubs testenv demo demo-k8s test test-k8s test-local lint test-unit test-gpu test-engines engine-venvs soak manifests clean
 
 venv: $(VENV_STAMP)
 
@@ -51,13 +51,19 @@ engine-venvs: venv
 test-engines: venv
 	$(PY) -m tools.engine_venvs test
 
-# The engine venvs (mostly downloads) build while testenv compiles the control plane
-# (mostly CPU), so a cold run pays for the longer of the two, not both. Then the engine
-# adapters, unit tests, GPU tests (skipped without a CUDA device), the real control plane.
+# Two lanes side by side, one per core: the control plane and its real node (build, then
+# tests/k8s, mostly waiting on pods) and everything else (the engine venvs, mostly
+# downloads, and their tests; then the unit tests and the GPU tests, skipped without a
+# CUDA device). Each step's output is printed whole when it ends; -k: a lane that fails
+# does not stop the other, so one run reports every failure.
 test: lint
-	$(MAKE) -j2 --output-sync=line testenv engine-venvs
-	$(MAKE) test-engines
-	$(PY) -m pytest -rs tests/unit tests/gpu tests/k8s
+	$(MAKE) -k -j2 --output-sync=target test-k8s test-local
+
+test-k8s: testenv
+	$(PY) -m pytest -rs tests/k8s
+
+test-local: csi-stubs test-engines
+	$(PY) -m pytest -rs tests/unit tests/gpu
 
 # Faults on the real node, the long way: 20 minutes of engine Deployments rolling while a
 # client sends requests to every engine pod, the daemon pod deleted twice; writes
