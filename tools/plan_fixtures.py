@@ -1,17 +1,41 @@
 """Load plans recorded from the pinned engines, committed as fixtures (tests/fixtures/plans/).
 
-``python -m tools.plan_fixtures`` (run by the vLLM venv's interpreter, see
-``record``) builds each model below with the engine's own classes on
-``meta``, runs the engine's own ``load_weights`` and post-processing under
+Run by the engine's own venv interpreter, with this checkout's sources first on the path
+(the venv's editable install may be another checkout's)::
+
+    PYTHONPATH=sidecar:. "$(.venv/bin/python -m tools.engine_venvs path vllm)/bin/python" \
+        -m tools.plan_fixtures --engine vllm [MODEL...]
+    PYTHONPATH=sidecar:. "$(.venv/bin/python -m tools.engine_venvs path sglang)/bin/python" \
+        -m tools.plan_fixtures --engine sglang [MODEL...]
+
+For each model below (default: all) it builds the engine's own model class
+on ``meta``, runs the engine's own weight loading and post-processing under
 the tracer (:mod:`weightcache.integrations.trace`) against the checkpoint's
 tensor table (names, dtypes, shapes as the published checkpoint stores
-them), and writes one JSON file per (engine, model): the model's config, the
-checkpoint table, the canonical plan, its hash and what the tracer reported.
-Nothing is read or allocated: a 16 GB model traces in seconds on a CPU.
+them), and writes ``<engine>-<model>.json``: the model's config, the
+checkpoint table, the canonical plan, its hash and everything the tracer
+reported (parameters not planned and why, post-processing's writes and
+errors, parameters or checkpoint tensors nothing touched). Nothing is read
+or allocated: a 16 GB model traces in seconds on a CPU.
+
+- vLLM: ``initialize_model``, ``load_weights`` and
+  ``process_weights_after_loading`` on its CPU platform, one rank of its
+  groups over gloo.
+- SGLang: the adapter's own trace,
+  :func:`weightcache.integrations.sglang.loader.trace_sglang_load`
+  (``_initialize_model``, ``DefaultModelLoader.load_weights_only`` and
+  ``postprocess_weights``: what the loader asks its daemon for), in a
+  process set up as the engine-layout tests set up one SGLang rank on CPU
+  (``tests.engines.sglang_layout_kit``: server arguments published, SGLang's
+  groups over gloo, a stand-in for vLLM's rotary kernel, which SGLang imports
+  when it builds the model on CPU and calls only in forward). SGLang's
+  process-wide configuration is one model's, so each model is recorded in a
+  process of its own.
 
 The fixtures let code without the engine installed (the GPU machine, where the
 engines' wheels cannot be carried) execute exactly the layouts the engines ask
-for: :func:`read_fixture` needs only ``weightcache.plan``.
+for: :func:`read_fixture` needs only ``weightcache.plan``. Fixtures whose plans
+hash alike are one layout (:func:`fixtures_by_plan`).
 """
 
 from __future__ import annotations
@@ -19,14 +43,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from weightcache.plan import LoadPlan, SourceTensor, canonical, plan_hash
+
+if TYPE_CHECKING:
+    from weightcache.integrations.trace import TraceReport
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "plans"
 
@@ -147,7 +177,7 @@ def _dense_mlp(prefix: str, h: int, inter: int) -> dict[str, SourceTensor]:
 class Fixture(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One recorded plan: who recorded it, from what, and what the tracer reported."""
 
-    engine: str  # "vllm 0.33.0"
+    engine: str  # "vllm 0.33.0", "sglang 0.5.23"
     model: str
     config: dict
     dtype: str
@@ -155,9 +185,14 @@ class Fixture(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint: list[tuple[str, str, list[int]]]
     plan_hash: str
     planned_bytes: int
-    copied: dict[str, str]  # parameters the tracer could not plan, and why
-    post_processed: dict[str, tuple[str, str]]
-    post_error: str | None
+    # What the tracer reported (weightcache.integrations.trace.TraceReport):
+    copied: dict[str, str]  # parameters it could not plan, and why
+    post_processed: dict[str, tuple[str, str]]  # planned; post-processing writes/replaces them
+    post_error: str | None  # post-processing could not run on meta
+    unwritten: list[str]  # parameters nothing in loading wrote (so not in the plan)
+    incomplete: list[str]  # planned parameters some elements of which nothing writes
+    unread: list[str]  # checkpoint tensors no planned copy reads
+    created: list[str]  # tensors post-processing added
     plan: LoadPlan
 
     def sources(self) -> dict[str, SourceTensor]:
@@ -166,6 +201,21 @@ class Fixture(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def fixture_paths() -> list[Path]:
     return sorted(FIXTURES.glob("*.json"))
+
+
+class _RecordedHash(msgspec.Struct):
+    plan_hash: str
+
+
+def fixtures_by_plan(paths: list[Path] | None = None) -> list[list[Path]]:
+    """The fixtures (default: all) grouped by recorded plan hash, in path order. Fixtures of
+    one hash are one layout (SGLang's and vLLM's Llama-3-8B are), which the GPU replay
+    builds once for all of them. Reads only the hash: :func:`read_fixture` verifies it."""
+    groups: dict[str, list[Path]] = {}
+    for path in fixture_paths() if paths is None else paths:
+        recorded = msgspec.json.decode(path.read_bytes(), type=_RecordedHash).plan_hash
+        groups.setdefault(recorded, []).append(path)
+    return list(groups.values())
 
 
 def read_fixture(path: Path) -> Fixture:
@@ -196,11 +246,8 @@ def record_vllm(model: Model, work: Path) -> Fixture:
     from weightcache.client import meta_parameters
     from weightcache.integrations.trace import trace_load
 
-    model_dir = work / model.name
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(model.config))
-    args = EngineArgs(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True,
-                      load_format="dummy")  # fmt: skip
+    args = EngineArgs(model=str(_model_dir(model, work)), dtype="bfloat16",
+                      skip_tokenizer_init=True, load_format="dummy")  # fmt: skip
     config = args.create_engine_config()
     sources = model.checkpoint()
     cpu = torch.device("cpu")
@@ -214,22 +261,7 @@ def record_vllm(model: Model, work: Path) -> Fixture:
                 engine_model, config.model_config, cpu
             ),
         )  # fmt: skip
-    if report.plan is None:
-        raise RuntimeError(f"{model.name}: vLLM's loading gave nothing to plan: {report.copied}")
-    plan = canonical(report.plan)
-    return Fixture(
-        engine=f"vllm {vllm.__version__}",
-        model=model.name,
-        config=model.config,
-        dtype="bfloat16",
-        checkpoint=[(n, s.dtype, list(s.shape)) for n, s in sources.items()],
-        plan_hash=plan_hash(plan),
-        planned_bytes=report.planned_bytes,
-        copied=report.copied,
-        post_processed=dict(getattr(report, "post_processed", {})),
-        post_error=report.post_error,
-        plan=plan,
-    )
+    return _fixture(f"vllm {vllm.__version__}", model, sources, report)
 
 
 _groups_ready = False
@@ -240,17 +272,79 @@ def _vllm_groups() -> None:
     global _groups_ready
     if _groups_ready:
         return
-    import socket
-
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+                                 distributed_init_method=init_method)  # fmt: skip
     ensure_model_parallel_initialized(1, 1)
     _groups_ready = True
+
+
+def record_sglang(model: Model, work: Path) -> Fixture:
+    """SGLang's own model class for ``model``, traced by the adapter's own trace (CPU, one
+    rank); once per process (SGLang's published configuration is this model's)."""
+    import sglang
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from tests.engines.sglang_layout_kit import publish_rank, rotary_kernel_stand_in
+
+    model_dir = str(_model_dir(model, work))
+    rotary_kernel_stand_in()
+    publish_rank(model_dir, world=1, rank=0, port=_free_port(), dtype="bfloat16")
+    from weightcache.integrations.sglang.loader import trace_sglang_load
+
+    sources = model.checkpoint()
+    report = trace_sglang_load(
+        ModelConfig(model_path=model_dir, dtype="bfloat16"), LoadConfig(), torch.device("cpu"),
+        sources,
+    )  # fmt: skip
+    return _fixture(f"sglang {sglang.__version__}", model, sources, report)
+
+
+RECORDERS = {"vllm": record_vllm, "sglang": record_sglang}
+
+
+def _model_dir(model: Model, work: Path) -> Path:
+    """A model directory holding the config alone: the engines build the model from it."""
+    model_dir = work / model.name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(model.config))
+    return model_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fixture(
+    engine: str, model: Model, sources: dict[str, SourceTensor], report: TraceReport
+) -> Fixture:
+    if report.plan is None:
+        raise RuntimeError(f"{engine}, {model.name}: the loading gave nothing to plan: "
+                           f"{report.copied}")  # fmt: skip
+    plan = canonical(report.plan)
+    return Fixture(
+        engine=engine,
+        model=model.name,
+        config=model.config,
+        dtype="bfloat16",
+        checkpoint=[(n, s.dtype, list(s.shape)) for n, s in sources.items()],
+        plan_hash=plan_hash(plan),
+        planned_bytes=report.planned_bytes,
+        copied=report.copied,
+        post_processed=report.post_processed,
+        post_error=report.post_error,
+        unwritten=report.unwritten,
+        incomplete=report.incomplete,
+        unread=report.unread,
+        created=report.created,
+        plan=plan,
+    )
 
 
 def write_fixture(fixture: Fixture, out: Path) -> Path:
@@ -262,19 +356,36 @@ def write_fixture(fixture: Fixture, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    parser = argparse.ArgumentParser(prog="python -m tools.plan_fixtures", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.plan_fixtures", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--engine", required=True, choices=list(RECORDERS),
+                        help="the engine whose venv runs this")  # fmt: skip
     parser.add_argument("--out", type=Path, default=FIXTURES)
-    parser.add_argument("models", nargs="*", help=f"default: all of {[m.name for m in MODELS]}")
+    names = [m.name for m in MODELS]
+    parser.add_argument("models", nargs="*", metavar="MODEL", help=f"default: all of {names}")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.models if name not in names]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; expected some of {names}")
     chosen = [m for m in MODELS if not args.models or m.name in args.models]
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.engine == "sglang" and len(chosen) > 1:
+        for model in chosen:  # a process per model (record_sglang)
+            argv = ["--engine", "sglang", "--out", str(args.out), model.name]
+            code = subprocess.run([sys.executable, "-m", "tools.plan_fixtures", *argv]).returncode
+            if code:
+                return code
+        return 0
     with tempfile.TemporaryDirectory() as work:
         for model in chosen:
-            fixture = record_vllm(model, Path(work))
+            fixture = RECORDERS[args.engine](model, Path(work))
             path = write_fixture(fixture, args.out)
             print(f"{path}: {len(fixture.plan.params)} parameters, {len(fixture.plan.copies)} "
                   f"copies, {fixture.planned_bytes} bytes planned, {len(fixture.copied)} "
-                  f"not planned, plan {fixture.plan_hash[:12]}", flush=True)  # fmt: skip
+                  f"not planned, {len(fixture.post_processed)} post-processed, post_error "
+                  f"{fixture.post_error!r}, plan {fixture.plan_hash}", flush=True)  # fmt: skip
     return 0
 
 

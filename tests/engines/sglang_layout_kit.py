@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 
-def _rotary_kernel_stand_in() -> None:
+def rotary_kernel_stand_in() -> None:
     """SGLang builds a rotary embedding (Llama, Qwen2, Mixtral, Qwen2-MoE) with vLLM's
     kernel where the platform is neither CUDA nor SGLang's CPU engine (which needs a CPU
     build of sgl-kernel that PyPI does not carry): it imports
@@ -121,7 +121,7 @@ def outcome(kind: str, loader, model, cold) -> dict:
 
 
 def run_rank(rank: int, world: int, port: int, out: Path, jobs: list[str]) -> None:
-    _rotary_kernel_stand_in()
+    rotary_kernel_stand_in()
     parsed = [job.split("=", 3) for job in jobs]
     publish_rank(parsed[0][1], world, rank, port, parsed[0][2])
     results = []

@@ -1,10 +1,10 @@
 """Issue 24 on a GPU, an engine-free replay: the engines' own layouts executed by the daemon.
 
 The engines' wheels cannot be carried to the GPU machine, so no engine runs
-here. What runs instead: load plans that the pinned vLLM recorded on a CPU
-from its own model classes and weight loaders (``tools.plan_fixtures``,
-committed under tests/fixtures/plans/: Llama-3-8B and Qwen1.5-MoE-A2.7B
-shapes, bf16) are executed by a real daemon over ``vmm_fd`` from a
+here. What runs instead: load plans that the pinned vLLM and SGLang recorded
+on a CPU from their own model classes and weight loaders
+(``tools.plan_fixtures``, committed under tests/fixtures/plans/: Llama-3-8B
+and Qwen1.5-MoE-A2.7B shapes, bf16) are executed by a real daemon over ``vmm_fd`` from a
 checkpoint of random bytes written with safetensors at the recorded names
 and shapes. A fresh engine-like process (``tests.gpu.replay_engine``) maps
 every parameter by name; attaching allocates nothing (torch's allocator
@@ -13,11 +13,20 @@ tables of the new mapping); every mapped parameter equals, bit for bit, a refere
 that process builds in its own memory by executing the same plan with plain
 torch ops.
 
+Fixtures whose plans hash alike are one layout: it is replayed once, the
+test's id and its figures naming every fixture it stands for
+(``tools.plan_fixtures.fixtures_by_plan``; SGLang's and vLLM's Llama-3-8B
+plans are byte-identical), rather than writing and building the same 16 GB
+twice. Replays of one checkpoint table in a row (SGLang's and vLLM's
+Qwen1.5-MoE plans write the same bytes to the same places and differ only in
+names) write its random checkpoint once (``Checkpoints``).
+
 The build is repeated on fresh daemons (``BUILDS``) for the time the daemon
 takes to build the layout from its checkpoint layout (its own
 ``LayoutStatus.seconds``: allocation, device copies, export), written with the
-machine to ``$WEIGHTCACHE_RESULTS_DIR/engine_free_replay_<model>.json``;
-nothing here asserts on time.
+machine to ``$WEIGHTCACHE_RESULTS_DIR/engine_free_replay_<fixtures>.json``
+(``<fixtures>``: the fixtures' names joined by ``+``, e.g.
+``sglang-llama-3-8b+vllm-llama-3-8b``); nothing here asserts on time.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +47,7 @@ import torch
 
 from tests.gpu.conftest import start_daemon
 from tests.unit.wc_harness import wait_until
-from tools.plan_fixtures import Fixture, fixture_paths, read_fixture
+from tools.plan_fixtures import Fixture, fixtures_by_plan, read_fixture
 from weightcache.checkpoint import cache_config, dtype_from_name, read_checkpoint
 from weightcache.client import attach_layout, daemon_status
 from weightcache.daemon.manifest import manifest_path
@@ -124,17 +134,67 @@ def build_once(model_dir: Path, fixture: Fixture, run: Path) -> tuple[dict, obje
             "checkpoint_load_seconds": status.load_seconds}, daemon  # fmt: skip
 
 
-@pytest.mark.parametrize("path", fixture_paths(), ids=lambda p: p.stem)
-def test_engine_free_replay_maps_every_parameter_bit_equal_with_no_extra_memory(path: Path):
-    fixture = read_fixture(path)
-    # Short paths: a socket address has 107 bytes.
-    root = Path(tempfile.mkdtemp(prefix="wcr", dir="/tmp"))
-    data = Path(os.environ.get("WEIGHTCACHE_REPLAY_DIR", root))
-    model_dir = data / f"ckpt-{fixture.model}"
-    try:
+class Checkpoints:
+    """The random checkpoint of the last replay, kept for the next replay of the same table:
+    SGLang's and vLLM's Qwen1.5-MoE plans differ (in names only), their checkpoint is one,
+    written once (28.6 GB). One checkpoint on disk at a time."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.held: tuple[list, Path, int] | None = None
+
+    def get(self, fixture: Fixture) -> tuple[Path, int, float | None]:
+        """The checkpoint's directory, its bytes, and the seconds writing it took (None:
+        the last replay's, reused)."""
+        if self.held is not None and self.held[0] == fixture.checkpoint:
+            return self.held[1], self.held[2], None
+        self.drop()
+        model_dir = self.data / f"ckpt-{fixture.model}"
         started = time.perf_counter()
         written = write_random_checkpoint(fixture, model_dir)
-        write_s = time.perf_counter() - started
+        self.held = (fixture.checkpoint, model_dir, written)
+        return model_dir, written, time.perf_counter() - started
+
+    def drop(self) -> None:
+        if self.held is not None:
+            shutil.rmtree(self.held[1], ignore_errors=True)
+            self.held = None
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> Iterator[Checkpoints]:
+    override = os.environ.get("WEIGHTCACHE_REPLAY_DIR")
+    data = Path(override or tempfile.mkdtemp(prefix="wcc", dir="/tmp"))
+    held = Checkpoints(data)
+    try:
+        yield held
+    finally:
+        held.drop()
+        if not override:
+            shutil.rmtree(data, ignore_errors=True)
+
+
+def _replay_name(paths: list[Path]) -> str:
+    return "+".join(p.stem for p in paths)
+
+
+@pytest.mark.parametrize("paths", fixtures_by_plan(), ids=_replay_name)
+def test_engine_free_replay_maps_every_parameter_bit_equal_with_no_extra_memory(
+    paths: list[Path], checkpoints: Checkpoints
+):
+    fixtures = [read_fixture(p) for p in paths]
+    fixture = fixtures[0]
+    # One plan and one checkpoint table for all of them: one replay stands for each.
+    assert all(
+        f.plan_hash == fixture.plan_hash and f.checkpoint == fixture.checkpoint for f in fixtures
+    )
+    if len(paths) > 1:
+        print(f"one replay for {_replay_name(paths)}: the same plan {fixture.plan_hash[:12]}")
+    path = paths[0]
+    # Short paths: a socket address has 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="wcr", dir="/tmp"))
+    try:
+        model_dir, written, write_s = checkpoints.get(fixture)
         builds = []
         for i in range(BUILDS):
             run = root / f"r{i}"
@@ -157,17 +217,18 @@ def test_engine_free_replay_maps_every_parameter_bit_equal_with_no_extra_memory(
         figures = {
             "what": "engine-free replay: a plan recorded from the pinned engine on CPU, "
             "executed by the daemon over vmm_fd on this GPU; no engine ran here",
-            "engine_that_recorded_the_plan": fixture.engine,
+            "engines_that_recorded_the_plan": [f.engine for f in fixtures],
+            "fixtures": [p.name for p in paths],
             "model": fixture.model,
             "plan_hash": fixture.plan_hash,
             "params": len(fixture.plan.params),
             "copies": len(fixture.plan.copies),
             "checkpoint_bytes": written,
-            "checkpoint_write_seconds": write_s,
+            "checkpoint_write_seconds": write_s,  # None: the previous replay's checkpoint
             "layout_builds": builds,
             "engine": seen,
         }
-        _record(fixture.model, figures)
+        _record(_replay_name(paths), figures)
         # Every parameter of the engine's table, mapped by name (and by each of its other
         # names: vLLM registers a shared expert twice) from the daemon's memory.
         names = sum(1 + len(p.aliases) for p in fixture.plan.params)
@@ -186,10 +247,9 @@ def test_engine_free_replay_maps_every_parameter_bit_equal_with_no_extra_memory(
         assert seen["differ"] == []
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(model_dir, ignore_errors=True)
 
 
-def _record(model: str, figures: dict) -> None:
+def _record(name: str, figures: dict) -> None:
     out = os.environ.get("WEIGHTCACHE_RESULTS_DIR")
     if not out:
         print(json.dumps(figures, indent=1))
@@ -197,5 +257,5 @@ def _record(model: str, figures: dict) -> None:
     from benchmarks.machine import describe
 
     figures = {"machine": describe(out), "date": time.strftime("%Y-%m-%d"), **figures}
-    Path(out, f"engine_free_replay_{model}.json").write_text(json.dumps(figures, indent=1))
+    Path(out, f"engine_free_replay_{name}.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1))

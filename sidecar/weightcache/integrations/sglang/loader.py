@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 from sglang.srt.configs.device_config import DeviceConfig
@@ -57,6 +58,7 @@ from weightcache.integrations.loading import (
 from weightcache.integrations.settings import AdapterSettings
 from weightcache.integrations.sglang import CONFIG_KEY
 from weightcache.integrations.trace import TraceReport, trace_load
+from weightcache.plan import SourceTensor
 from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -193,15 +195,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         return self._layout
 
     def _trace(self, model_config: ModelConfig, device: torch.device) -> TraceReport:
-        """SGLang's loading and post-processing of a throwaway meta model, as a plan."""
-        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
-            twin = _initialize_model(model_config, self.load_config, None)
         sources = checkpoint_sources(read_checkpoint(local_model_dir(model_config.model_path)))
-        return trace_load(
-            twin, sources,
-            lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
-            post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
-        )  # fmt: skip
+        return trace_sglang_load(model_config, self.load_config, device, sources)
 
     def attachment(self, model_config: ModelConfig, device_config: DeviceConfig) -> Attachment:
         """This rank's attach decision for the target or a speculative draft (made once
@@ -250,6 +245,24 @@ class WeightcacheModelLoader(BaseModelLoader):
                 self.load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={}
             )
         )
+
+
+def trace_sglang_load(
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    device: torch.device,
+    sources: Mapping[str, SourceTensor],
+) -> TraceReport:
+    """SGLang's loading and post-processing of a throwaway model built on meta, run against
+    ``sources`` (the checkpoint's tensor table), as a plan: what the loader asks its daemon
+    for, and what ``tools/plan_fixtures.py`` records as committed fixtures."""
+    with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+        twin = _initialize_model(model_config, load_config, None)
+    return trace_load(
+        twin, sources,
+        lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
+        post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
+    )  # fmt: skip
 
 
 def _device(device_config: DeviceConfig) -> torch.device:
