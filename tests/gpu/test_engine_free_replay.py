@@ -26,7 +26,7 @@ takes to build the layout from its checkpoint layout (its own
 ``LayoutStatus.seconds``: allocation, device copies, export), written with the
 machine to ``$WEIGHTCACHE_RESULTS_DIR/engine_free_replay_<fixtures>.json``
 (``<fixtures>``: the fixtures' names joined by ``+``, e.g.
-``sglang-llama-3-8b+vllm-llama-3-8b``); nothing here asserts on time.
+``sglang-llama-3-8b_and_vllm-llama-3-8b``); nothing here asserts on time.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def checkpoints() -> Iterator[Checkpoints]:
 
 
 def _replay_name(paths: list[Path]) -> str:
-    return "+".join(p.stem for p in paths)
+    return "_and_".join(p.stem for p in paths)
 
 
 @pytest.mark.parametrize("paths", fixtures_by_plan(), ids=_replay_name)
