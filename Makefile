@@ -62,7 +62,9 @@ test: lint
 test-k8s: testenv
 	$(PY) -m pytest -rs tests/k8s
 
-test-local: csi-stubs test-engines
+# The venvs first, all four, while the other lane compiles Go: downloads beside CPU work.
+test-local: csi-stubs engine-venvs
+	$(PY) -m tools.engine_venvs test
 	$(PY) -m pytest -rs tests/unit tests/gpu
 
 # Faults on the real node, the long way: 20 minutes of engine Deployments rolling while a
