@@ -58,15 +58,18 @@ class EngineServer:
                 raise AssertionError(
                     f"{self.argv[:4]} exited with {self.proc.returncode}:\n{self.log()[-6000:]}"
                 )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except (OSError, urllib.error.URLError):
-                pass
+            if self.healthy():
+                return self
             time.sleep(1)
         self.stop()
         raise AssertionError(f"not healthy within {within_s:g} s:\n{self.log()[-6000:]}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
 
     @property
     def url(self) -> str:
@@ -101,6 +104,76 @@ class EngineServer:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+def outside_the_range(engine: str, series: tuple[str, ...], where: Path) -> dict[str, str]:
+    """The environment of an engine server whose weightcache supports only ``series`` of
+    ``engine``: the installed engine, untouched, is then a release weightcache does not
+    support, as beside a weightcache built for other releases.
+
+    A ``sitecustomize`` module on the server's ``PYTHONPATH`` (run by every interpreter of
+    the server: API server, scheduler or engine core, workers) sets the range in
+    ``weightcache.integrations.versions.SUPPORTED`` before any plugin loads. What
+    weightcache believes changes; the engine, its version metadata and its hooks do not.
+    """
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "sitecustomize.py").write_text(
+        "# Written by tests/engines/enginekit.py: this weightcache supports other releases.\n"
+        "from weightcache.integrations import versions\n\n"
+        f"versions.SUPPORTED[{engine!r}] = {tuple(series)!r}\n"
+    )
+    path = [str(where), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def wait_failed(server: EngineServer, within_s: float) -> int:
+    """The exit status of a server that must fail at start-up; it must never be healthy."""
+    deadline = time.monotonic() + within_s
+    try:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                return server.proc.returncode
+            if server.healthy():
+                raise AssertionError(f"{server.argv[:4]} started:\n{server.log()[-6000:]}")
+            time.sleep(1)
+        raise AssertionError(
+            f"neither failed nor healthy in {within_s:g} s:\n{server.log()[-6000:]}"
+        )
+    finally:
+        server.stop()  # its workers too
+
+
+def write_lora(where: Path, model_dir: Path, targets: tuple[str, ...], seed: int = 0) -> Path:
+    """A PEFT-format LoRA adapter of the checkpoint in ``model_dir`` (``adapter_config.json``
+    and ``adapter_model.safetensors``, as ``peft``'s ``save_pretrained`` writes them): rank
+    8 on every linear layer whose name ends in one of ``targets``, named as PEFT names the
+    checkpoint's modules, shapes read from the checkpoint. A and B are random (B is not
+    PEFT's zero start), so the adapter changes the outputs."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    rank, generator, tensors = 8, torch.Generator().manual_seed(seed), {}
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 - safe_open is not a mapping
+            module = name.removesuffix(".weight")
+            if module == name or module.rsplit(".", 1)[-1] not in targets:
+                continue
+            out_features, in_features = checkpoint.get_slice(name).get_shape()
+            peft = f"base_model.model.{module}"
+            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            tensors[f"{peft}.lora_A.weight"] = a
+            tensors[f"{peft}.lora_B.weight"] = torch.randn(
+                out_features, rank, generator=generator
+            ) / rank**0.5
+    assert tensors, f"no module of {model_dir} ends in {targets}"
+    where.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(where / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+              "bias": "none", "target_modules": list(targets), "fan_in_fan_out": False,
+              "base_model_name_or_path": str(model_dir)}  # fmt: skip
+    (where / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return where
 
 
 def fetches(daemon, op: str = "fetch_state") -> int:
@@ -153,4 +226,3 @@ def run_ranks(module: str, jobs: list[list[str]], workdir: Path, timeout: float 
         assert proc.returncode == 0, log.read_text(errors="replace")[-6000:]
         results.append(json.loads(out.read_text()))
     return results
-

@@ -38,8 +38,12 @@ def rotary_kernel_stand_in() -> None:
 CACHE = "tests.tiny"  # the WeightCache a rank's daemon serves: <socket_dir>/tests.tiny/cpu.sock
 
 
-def publish_rank(model_dir: str, world: int, rank: int, port: int, dtype: str) -> None:
-    """SGLang's process-wide config and groups for this rank, as its scheduler does."""
+def publish_rank(
+    model_dir: str, world: int, rank: int, port: int, dtype: str, *args: str, resolve=None
+):
+    """SGLang's process-wide config and groups for this rank, as its scheduler does, and
+    its server arguments. ``args``: more of SGLang's server arguments; ``resolve``: what
+    SGLang's launch runs on them before publishing (e.g. its LoRA checks)."""
     import os
 
     from sglang.srt.distributed import bootstrap
@@ -48,7 +52,7 @@ def publish_rank(model_dir: str, world: int, rank: int, port: int, dtype: str) -
 
     server_args = prepare_server_args(
         ["--model-path", model_dir, "--device", "cpu", "--tp-size", str(world),
-         "--dtype", dtype, "--skip-tokenizer-init"]
+         "--dtype", dtype, "--skip-tokenizer-init", *args]
     )  # fmt: skip
     # SGLang binds each CPU rank's threads to cores: one NUMA node per rank by default, or
     # the cores this names (one core per rank here).
@@ -60,13 +64,16 @@ def publish_rank(model_dir: str, world: int, rank: int, port: int, dtype: str) -
     # a machine without a GPU; SGLang's own variable naming no library gives the non-GPU
     # environment SGLang provides for (pynccl disabled: gloo alone).
     os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
+    if resolve is not None:
+        resolve(server_args)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
     bootstrap.init_parallel_runtime(server_args=server_args, device="cpu", dist_port=port)
+    return server_args
 
 
-def load_ours_and_cold(model_dir: str, dtype: str, rank: int, extra: dict):
-    """The model through our loader (SGLang's lookup for the launcher's route) and through
-    SGLang's own DefaultModelLoader."""
+def load_ours(model_dir: str, dtype: str, rank: int, extra: dict):
+    """(loader, model, ModelConfig): the model through our loader, by SGLang's lookup for
+    the launcher's route."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -74,15 +81,24 @@ def load_ours_and_cold(model_dir: str, dtype: str, rank: int, extra: dict):
 
     from weightcache.integrations.sglang.loader import WeightcacheModelLoader
 
-    cpu = DeviceConfig("cpu")
     model_config = ModelConfig(model_path=model_dir, dtype=dtype)
     loader = get_model_loader(
         LoadConfig(load_format=WeightcacheModelLoader, tp_rank=rank,
                    model_loader_extra_config={"weightcache": extra})
     )  # fmt: skip
-    model = loader.load_model(model_config=model_config, device_config=cpu)
+    model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    return loader, model, model_config
+
+
+def load_ours_and_cold(model_dir: str, dtype: str, rank: int, extra: dict):
+    """The model through our loader and through SGLang's own DefaultModelLoader."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    loader, model, model_config = load_ours(model_dir, dtype, rank, extra)
     cold = get_model_loader(LoadConfig(tp_rank=rank)).load_model(
-        model_config=model_config, device_config=cpu
+        model_config=model_config, device_config=DeviceConfig("cpu")
     )
     return loader, model, cold
 

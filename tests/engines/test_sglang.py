@@ -405,3 +405,70 @@ def test_llama_qwen2_and_moe_classes_map_sglangs_own_layout_at_tp(
                 assert any(n.endswith("qkv_proj.bias") for n in shapes)
     if tp == 2:  # each rank its own shard: its own plan
         assert all(a["layout"] != b["layout"] for a, b in zip(*results, strict=True))
+
+
+def test_a_lora_adapter_reads_its_files_past_our_load_config(minilm_dir, tmp_path) -> None:
+    """SGLang reads a LoRA adapter's files with a DefaultModelLoader built from the model's
+    load config, which with weightcache names our loader and our extra config:
+    DefaultModelLoader refuses that by name. The plugin's hook (sglang/lora.py, applied by
+    SGLang's load_plugins) gives the adapter a default-format config; SGLang's own
+    LoRAAdapter.initialize_weights then reads every tensor of a PEFT adapter."""
+    from types import SimpleNamespace
+
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from tests.engines.enginekit import write_lora
+
+    ours = LoadConfig(load_format=WeightcacheModelLoader,
+                      model_loader_extra_config={"weightcache": {"socket": "/tmp/d.sock"}})
+    with pytest.raises(ValueError, match="Unexpected extra config keys"):
+        DefaultModelLoader(ours)
+    load_plugins()  # as every SGLang process
+    adapter_dir = write_lora(tmp_path / "adapter", minilm_dir, ("query", "value"))
+    read: list[str] = []
+    lora_adapter = SimpleNamespace(  # the attributes initialize_weights uses
+        load_config=ours, config=SimpleNamespace(path=str(adapter_dir), hf_config=None),
+        _process_weight=lambda name, tensor: read.append(name),
+        _normalize_weights=lambda: None,
+    )  # fmt: skip
+    LoRAAdapter.initialize_weights(lora_adapter)
+    assert len(read) == 24 and all(".lora_A." in n or ".lora_B." in n for n in read)
+    assert ours.load_format is WeightcacheModelLoader  # the model's own config untouched
+
+
+def test_lora_wraps_the_mapped_layers_and_writes_none_of_their_weights(
+    session_daemons, tiny_dirs, tmp_path
+) -> None:
+    """SGLang's LoRA on the tiny Llama mapped from the daemon (sglang_lora_kit: a rank
+    process with ``--lora-paths``, the ``torch_native`` backend): SGLang's LoRAManager
+    wraps q/k/v (its fused ``qkv_proj``) of both layers around the very layers loaded,
+    loads a PEFT adapter of q_proj and v_proj from disk (through weightcache's hook: SGLang
+    reads it with the model's load config, sglang/lora.py) and moves it into its LoRA
+    memory pool for a batch, and the wrapped layer runs forward with it. Every base
+    parameter is still the daemon's memory, byte for byte; the adapter lives in the pool's
+    own buffers."""
+    from tests.engines.enginekit import run_ranks, write_lora
+    from tests.engines.tiny_models import HEADS, KV_HEADS, H
+
+    daemons = own_layout_daemons(session_daemons, {"llama": tiny_dirs["llama"]}, 1)
+    adapter = write_lora(tmp_path / "adapter", tiny_dirs["llama"], ("q_proj", "v_proj"))
+    job = f"{tiny_dirs['llama']}={daemons['llama', 0].workdir}={adapter}"
+    try:
+        (result,) = run_ranks("tests.engines.sglang_lora_kit", [[job]], tmp_path)
+    finally:
+        for daemon in daemons.values():
+            daemon.terminate()
+    assert result["backend"] == "torch_native" and len(result["adapters"]) == 1
+    layers = [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
+    assert result["wrapped"] == layers and result["same_base_layer"] == layers
+    assert result["mapped_before"] == sorted(result["names"])  # all of them, as loaded
+    assert result["mapped_after"] == result["mapped_before"]
+    assert result["changed"] == [] and result["still_parameters"]
+    assert result["adapter_buffers"] and result["empty_buffers"] == []
+    assert result["buffers_in_daemon"] == []
+    # Run forward by SGLang's torch_native LoRA backend: the adapter changes exactly the
+    # q and v columns of qkv_proj's output (k is not a target), over the mapped weight.
+    q, kv = H, KV_HEADS * H // HEADS
+    assert result["out_size"] == q + 2 * kv
+    assert result["forward_changed_columns"] == [*range(q), *range(q + kv, q + 2 * kv)]

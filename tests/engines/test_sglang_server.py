@@ -2,7 +2,7 @@
 
 Real processes throughout: a daemon (the project's venv and torch) holding
 MiniLM over memfd, and SGLang's server (this venv's SGLang and torch) started
-as a user would. Three server starts, each adding evidence the others lack:
+as a user would. Five server starts, each adding evidence the others lack:
 
 1. no daemon: an unmodified ``python -m sglang.launch_server`` selecting
    weightcache through the extra config waits 10 s, says why at WARNING and
@@ -14,12 +14,14 @@ as a user would. Three server starts, each adding evidence the others lack:
    saying every parameter is mapped and none in engine memory, and every
    weight-mutating API refused while the server serves on;
 3. a restart through the plugin route (the launcher's server stopped first):
-   maps the same layout again, one ``fetch_layout``.
+   maps the same layout again, one ``fetch_layout``;
+4. and 5. this SGLang, untouched, beside a weightcache whose supported range
+   leaves it out (``enginekit.outside_the_range``): started as usual it
+   serves, embeddings bit-equal to the reference; the plugin route selecting
+   weightcache fails at start-up naming the supported releases (and the
+   launcher refuses before starting SGLang).
 
-That an unsupported SGLang with weightcache installed keeps its own loaders is
-shown in tests/engines/test_sglang.py (SGLang's plugin loader and loader
-lookup), in every SGLang venv. Embeddings (``/encode``) are compared bit for
-bit (JSON floats are exact).
+Embeddings (``/encode``) are compared bit for bit (JSON floats are exact).
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.enginekit import EngineServer, fetches, require_engine
+from tests.engines.enginekit import (
+    EngineServer,
+    fetches,
+    outside_the_range,
+    require_engine,
+    wait_failed,
+)
 
 require_engine("sglang")
 
@@ -57,8 +65,10 @@ def sglang_args(model: Path, port: int) -> list[str]:
             "--disable-radix-cache"]  # fmt: skip
 
 
-def start(argv: list[str], port: int, tmp: Path, name: str) -> EngineServer:
-    server = EngineServer(argv, port, tmp / f"{name}.log", dict(os.environ))
+def start(
+    argv: list[str], port: int, tmp: Path, name: str, env: dict[str, str] | None = None
+) -> EngineServer:
+    server = EngineServer(argv, port, tmp / f"{name}.log", dict(env or os.environ))
     return server.wait_healthy(START_WITHIN_S)
 
 
@@ -197,3 +207,49 @@ def test_an_unmodified_launch_server_attaches_again_through_the_plugin(
         assert LAYOUT_LINE.search(server.log())
     finally:
         server.stop()
+
+
+# The releases of a weightcache built one SGLang release ahead: the installed 0.5.23 is
+# outside.
+OTHER_RELEASES = ("0.5.24", "0.5.25")
+
+
+def test_outside_the_supported_range_sglang_serves_by_default_and_refuses_weightcache(
+    minilm_dir, cold, tmp
+) -> None:
+    """This venv's SGLang, untouched, beside a weightcache whose range leaves it out
+    (enginekit.outside_the_range): started as usual it loads with its own loader and
+    serves; selecting weightcache (the extra config, or the launcher) fails at start-up
+    naming the supported releases."""
+    import subprocess
+
+    from weightcache.integrations.versions import installed_version
+
+    env = outside_the_range("sglang", OTHER_RELEASES, tmp / "other-releases")
+    refusal = (
+        "weightcache.integrations.sglang supports SGLang 0.5.24.x and 0.5.25.x; "
+        f"SGLang {installed_version('sglang')} is installed"
+    )
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang.launch_server", *sglang_args(minilm_dir, port)]
+    server = start(argv, port, tmp, "outside-default", env)
+    try:
+        assert embeddings(server) == cold[0]  # SGLang's own loader, as cold
+        log = server.log()
+    finally:
+        server.stop()
+    assert f"the 'weightcache' loader config is unavailable: {refusal}" in log  # the WARNING
+    assert "UnsupportedEngineVersion" not in log
+
+    port = free_port()
+    server = EngineServer(
+        plugin_route(minilm_dir, port, cold[2]), port, tmp / "outside-plugin.log", env
+    )
+    assert wait_failed(server, START_WITHIN_S) != 0
+    assert f"UnsupportedEngineVersion: {refusal}" in server.log()
+
+    launcher = "weightcache.integrations.sglang.launch"
+    argv = [sys.executable, "-m", launcher, *sglang_args(minilm_dir, free_port()),
+            "--weightcache-socket", str(cold[2])]  # fmt: skip
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and f"weightcache-sglang: {refusal}" in refused.stderr

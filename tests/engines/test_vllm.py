@@ -456,3 +456,64 @@ def test_a_draft_model_loads_from_disk_unless_it_has_a_cache_of_its_own(
     unusable = loader_for({"socket": absent, "draft_socket": absent, "wait_ready_s": 0})
     with pytest.raises(DaemonUnavailable, match="fallback is off"):
         unusable.attachment(vllm_config, draft)
+
+
+def test_lora_wraps_the_mapped_layers_and_writes_none_of_their_weights(
+    memfd_daemon, minilm_dir, vllm_groups, tmp_path
+) -> None:
+    """LoRA on a model loaded from the daemon, as vLLM's worker sets it up: after
+    load_model, its LoRA model runner wraps the supported layers (BERT's packed qkv_proj
+    and dense layers), its worker LoRA manager loads a PEFT adapter from disk and
+    activates it (A and B copied into the LoRA layers' own slots). Read from the engine's state:
+    every wrapped layer keeps the very parameter it had, every parameter that was the
+    daemon's memory still is, and every base weight's bytes are unchanged; the LoRA
+    tensors are engine memory of their own, holding the adapter."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.lora.layers import BaseLayerWithLoRA
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    from tests.engines.enginekit import in_daemon_memory, write_lora
+
+    config = fresh_config(
+        minilm_dir, load_format="weightcache", model_loader_extra_config={
+            "socket": memfd_daemon.socket}, enable_lora=True, max_lora_rank=8,
+    )  # fmt: skip
+    adapter = write_lora(tmp_path / "adapter", minilm_dir, ("query", "value"))
+    with set_current_vllm_config(config):
+        loader = get_model_loader(config.load_config)
+        loader.get_external_weight_memory(config)
+        model = loader.load_model(config, config.model_config)
+        inside = in_daemon_memory(loader.layout(config).attached)
+        base = [(name, p, p.detach().clone()) for name, p in model.named_parameters()]
+        mapped = {name for name, p, _ in base if inside(p)}
+        layers = dict(model.named_modules())
+
+        runner = LoRAModelRunnerMixin()  # the worker's own LoRA set-up, on our model
+        runner.lora_config = config.lora_config
+        model = runner.load_lora_model(model, config, torch.device("cpu"))
+        request = LoRARequest("tuned", 1, str(adapter))
+        assert runner.lora_manager.add_adapter(request)
+        tokens = 4  # one request of four tokens, all under the adapter
+        runner._set_active_loras((1,), (1,) * tokens, {request})
+
+    # vLLM wraps every linear layer it supports LoRA on (the adapter may target any):
+    # per BERT layer the packed qkv_proj and the three dense ones.
+    wrapped = {name: m for name, m in model.named_modules() if isinstance(m, BaseLayerWithLoRA)}
+    assert len([name for name in wrapped if name.endswith("qkv_proj")]) == 6
+    assert len(wrapped) == 24
+    for name, lora_layer in wrapped.items():
+        assert lora_layer.base_layer is layers[name]
+        # The adapter is in the layers' own slots (qkv_proj's query and value; key and
+        # the dense layers untargeted), not in a base weight.
+        a_slots, b_slots = lora_layer.lora_a_stacked, lora_layer.lora_b_stacked
+        targeted = [True, False, True] if name.endswith("qkv_proj") else [False] * len(a_slots)
+        assert [bool(a[0].any()) for a in a_slots] == targeted, name
+        assert not any(inside(t) for t in (*a_slots, *b_slots))
+    assert mapped, "nothing was mapped from the daemon"
+    assert sorted(name for name, p, _ in base if inside(p)) == sorted(mapped)
+    assert [name for name, p, before in base if not torch.equal(p, before)] == []
+    # And the base parameters are still the model's: the LoRA layers hold them, no copies.
+    still = {id(p) for p in model.parameters()}
+    assert all(id(p) in still for _, p, _ in base)

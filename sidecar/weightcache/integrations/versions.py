@@ -70,6 +70,8 @@ HOOKS: dict[str, tuple[tuple[str, str], ...]] = {
                       "update_weights_from_ipc", "init_weights_update_group",
                       "begin_weight_update", "release_memory_occupation",
                       "resume_memory_occupation", "check_weights")),
+        # LoRA adapters read their files with the model's load config (sglang/lora.py).
+        ("sglang.srt.lora.lora", "LoRAAdapter.initialize_weights"),
     ),  # fmt: skip
 }
 _DISPLAY = {"vllm": "vLLM", "sglang": "SGLang"}

@@ -21,7 +21,7 @@ Configuration: the ``"weightcache"`` object of ``--model-loader-extra-config``
 ``preloaded_weights_bytes`` feeds ``ModelRunner.account_preloaded_weights``,
 which :mod:`.kv` makes add them rank-local, before the MIN across ranks.
 Weight-mutating APIs are refused by :mod:`.mutations` while weightcache is
-selected.
+selected; LoRA adapters, which SGLang keeps in tensors of their own, load (:mod:`.lora`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def register() -> None:
 
             HookRegistry.register(GET_MODEL_LOADER, select_loader, HookType.BEFORE)
             if support.ok:
-                from weightcache.integrations.sglang import kv, mutations
+                from weightcache.integrations.sglang import kv, lora, mutations
 
                 # The daemon's bytes go in rank-local, before the MIN (kv.py says why).
                 HookRegistry.register(kv.MEASURE, kv.measure_keeping_local, HookType.AROUND)
@@ -71,6 +71,10 @@ def register() -> None:
                 # Weight-mutating APIs refused at the server's front door (mutations.py).
                 for target, hook in mutations.hooks().items():
                     HookRegistry.register(target, hook, HookType.AROUND)
+                # LoRA adapters read their own files, not through our loader (lora.py).
+                HookRegistry.register(
+                    lora.ADAPTER_WEIGHTS, lora.read_adapter_files_by_default, HookType.AROUND
+                )
         except Exception as exc:  # noqa: BLE001 - SGLang must start whatever happens here
             log.warning(
                 "weightcache: could not register the SGLang plugin (%s: %s); SGLang's own "

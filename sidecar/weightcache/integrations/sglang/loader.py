@@ -240,11 +240,15 @@ class WeightcacheModelLoader(BaseModelLoader):
         return settings.socket_for(uuid, tp_size), expected_configs(target)
 
     def _disk_loader(self) -> DefaultModelLoader:
-        return DefaultModelLoader(
-            dataclasses.replace(
-                self.load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={}
-            )
-        )
+        return DefaultModelLoader(default_load_config(self.load_config))
+
+
+def default_load_config(load_config: LoadConfig) -> LoadConfig:
+    """``load_config`` for SGLang's own ``DefaultModelLoader``: its default format, none of
+    our extra config (which it refuses by name)."""
+    return dataclasses.replace(
+        load_config, load_format=LoadFormat.AUTO, model_loader_extra_config={}
+    )
 
 
 def trace_sglang_load(
