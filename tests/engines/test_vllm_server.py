@@ -179,7 +179,7 @@ def test_outside_the_supported_range_vllm_serves_by_default_and_refuses_weightca
         log = server.log()
     finally:
         server.stop()
-    assert f"--load-format weightcache is unavailable: {refusal}" in log  # the one WARNING
+    assert f"--load-format weightcache is unavailable: {refusal}" in log  # the WARNING
     assert "UnsupportedEngineVersion" not in log
 
     port = free_port()
