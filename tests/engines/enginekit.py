@@ -76,6 +76,7 @@ class EngineServer:
         return f"http://127.0.0.1:{self.port}"
 
     def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, object]:
+        """(status, the answer's JSON, or its text where it is not JSON)."""
         request = urllib.request.Request(
             f"{self.url}{path}",
             data=json.dumps(body).encode(),
@@ -83,13 +84,13 @@ class EngineServer:
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
-                return response.status, json.loads(response.read() or b"null")
+                status, text = response.status, response.read()
         except urllib.error.HTTPError as exc:
-            text = exc.read()
-            try:
-                return exc.code, json.loads(text)
-            except ValueError:
-                return exc.code, text.decode(errors="replace")
+            status, text = exc.code, exc.read()
+        try:
+            return status, json.loads(text or b"null")
+        except ValueError:
+            return status, text.decode(errors="replace")
 
     def stop(self) -> None:
         """SIGTERM the whole process group (the engine's workers too), then SIGKILL."""
