@@ -317,8 +317,11 @@ def assert_mapped_whole(result: dict) -> None:
     assert result["outside"] == [] and result["reported"] == {}
     assert result["mapped_bytes"] == result["reported_mapped_bytes"] == result["total_bytes"]
     assert result["reported_copied_bytes"] == 0
-    # SGLang's scheduler adds back exactly the layout it maps.
-    assert result["preloaded"] == result["layout_bytes"] >= result["total_bytes"]
+    # SGLang's scheduler adds back what its pre-load sample missed: the layout's bytes,
+    # less what the daemon's build and checkpoint-layout drop changed after the sample
+    # (on this, the layout's first start: the checkpoint layout's bytes instead).
+    assert result["layout_bytes"] >= result["total_bytes"]
+    assert result["preloaded"] == result["layout_bytes"] - result["daemon_bytes_change"] > 0
 
 
 def own_layout_daemons(session_daemons, model_dirs: dict, tp: int) -> dict:
@@ -378,9 +381,24 @@ def tiny_dirs(tmp_path_factory):
     return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
 
 
+@pytest.fixture(scope="module")
+def tiny_loads(session_daemons, tiny_dirs, tmp_path_factory):
+    """The tiny models loaded both ways in rank processes, once per TP size for the module
+    (``sglang_layout_kit``: at TP 1 with SGLang's KV sizing of each, ``kv_outcome``)."""
+    loads: dict[int, list] = {}
+
+    def at(tp: int) -> list:
+        if tp not in loads:
+            workdir = tmp_path_factory.mktemp(f"tp{tp}")
+            loads[tp] = load_in_ranks(session_daemons, tiny_dirs, "bfloat16", tp, workdir)
+        return loads[tp]
+
+    return at
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_llama_qwen2_and_moe_classes_map_sglangs_own_layout_at_tp(
-    tp, session_daemons, tiny_dirs, tmp_path
+    tp, tiny_dirs, tiny_loads
 ) -> None:
     """SGLang's own LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases, tied embeddings),
     MixtralForCausalLM and Qwen2MoeForCausalLM (experts stacked into w13/w2), tiny bf16
@@ -389,7 +407,7 @@ def test_llama_qwen2_and_moe_classes_map_sglangs_own_layout_at_tp(
     parameter of every rank is the daemon's memory and equals SGLang's own load."""
     from tests.engines.tiny_models import EXPERTS, VOCAB
 
-    results = load_in_ranks(session_daemons, tiny_dirs, "bfloat16", tp, tmp_path)
+    results = tiny_loads(tp)
     assert len(results) == tp
     for rank_results in results:
         assert [r["kind"] for r in rank_results] == list(tiny_dirs)
@@ -460,3 +478,50 @@ def test_lora_wraps_the_mapped_layers_and_writes_none_of_their_weights(
     q, kv = H, KV_HEADS * H // HEADS
     assert result["out_size"] == q + 2 * kv
     assert result["forward_changed_columns"] == [*range(q), *range(q + kv, q + 2 * kv)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral", "qwen2_moe"])
+def test_kv_pool_on_sglangs_own_layout_equals_a_cold_starts(kind, tiny_loads) -> None:
+    """SGLang's own KV pool sizing, on the memory figures a GPU would report (synthetic:
+    tests/engines/kv_kit.py patches them in at torch's CUDA memory queries; no GPU here),
+    in its scheduler's order: the pre-load sample (``measure_pre_model_load_memory``), the
+    load, ``account_preloaded_weights`` of the loader's bytes, the pool configurator
+    (``_profile_available_bytes``, ``_resolve_memory_pool_config``: KV bytes and tokens).
+    Cold: SGLang's DefaultModelLoader, the engine allocating its weights. With weightcache:
+    our loader against a real daemon holding SGLang's own layout, on the layout's first
+    start (built after the sample, the checkpoint layout dropped) and on a restart (a second
+    start: the layout held). Both equal a cold start's but for allocation rounding."""
+    from tests.engines.tiny_models import CONFIGS, HEADS, KV_HEADS, LAYERS, H
+
+    ((result,),) = [[r for r in rank if r["kind"] == kind] for rank in tiny_loads(1)]
+    kv = result["kv"]
+    # The layout is the engine's weights: a cold load's parameters, allocated by the daemon
+    # (256-byte steps, memfd), none by the engine.
+    assert [tuple(p) for p in kv["planned"]] == [tuple(p) for p in kv["cold_params"]]
+    assert kv["layout_bytes"] == kv["layout_bytes_of_cold"] == kv["daemon_before_restart"]
+    assert kv["engine_own"] == 0
+
+    cold, difference = kv["cold"], kv["rounding_difference"]
+    assert 0 <= difference <= 256 * kv["parameters"]
+    per_token = 2 * LAYERS * KV_HEADS * (H // HEADS) * 2  # K and V, bfloat16
+    assert CONFIGS[kind]["torch_dtype"] == "bfloat16"
+    for start in ("first_start", "restart"):
+        warm = kv[start]
+        # SGLang's baseline (GiB, a float) is a cold start's; its KV budget the cold one's
+        # plus the rounding difference (to a byte: SGLang truncates GiB floats to bytes).
+        assert warm["pre_model_load_gib"] == pytest.approx(cold["pre_model_load_gib"], abs=1e-12)
+        assert abs(warm["available_bytes"] - cold["available_bytes"] - difference) <= 1, start
+        tokens = warm["max_total_num_tokens"] - cold["max_total_num_tokens"]
+        assert difference // per_token <= tokens <= -(-difference // per_token), start
+    print(f"{kind}: cold {cold}, first start {kv['first_start']}, restart {kv['restart']}, "
+          f"difference {difference} B, layout {kv['layout_bytes']} B, checkpoint layout "
+          f"{kv['daemon_before_first']} B, sizing {kv['seconds']:.1f} s")  # fmt: skip
+    # The daemon's checkpoint layout (fused, stacked and padded tensors apart) held other
+    # bytes: what SGLang's sample saw on the first start, what the loader adds back then.
+    assert kv["daemon_before_first"] != kv["layout_bytes"] == kv["daemon_after_first"]
+    assert kv["preloaded_first"] == kv["daemon_before_first"]
+    assert kv["preloaded_restart"] == kv["layout_bytes"]
+    # Had the loader reported the checkpoint layout's bytes or nothing, SGLang would size
+    # another pool.
+    for wrong in ("reporting_checkpoint_layout", "reporting_nothing"):
+        assert abs(kv[wrong]["available_bytes"] - cold["available_bytes"] - difference) > 1

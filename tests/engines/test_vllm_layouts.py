@@ -36,6 +36,7 @@ from tests.engines.vllm_layout_kit import (  # noqa: E402
     cuda_wheel,
     engine_config,
     load_ours_and_cold,
+    one_cpu_rank,
     outcome,
     post_processes,
     post_processing,
@@ -50,27 +51,8 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_groups(tiny_dirs):
-    """vLLM's process groups for one CPU rank (gloo), as a worker sets them up."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-
-    from tests.unit.wc_harness import free_port
-
-    # An MoE config: vLLM creates its expert-parallel group only for MoE models.
-    with set_current_vllm_config(engine_config(tiny_dirs["mixtral"])):
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-        )  # fmt: skip
-        ensure_model_parallel_initialized(1, 1)
-    yield
-    destroy_model_parallel()
-    destroy_distributed_environment()
+    with one_cpu_rank(tiny_dirs["mixtral"]):
+        yield
 
 
 def assert_mapped_whole(result: dict, tp: int) -> None:

@@ -33,6 +33,33 @@ def engine_config(model_dir: Path, tp: int = 1, **load):
     ).create_engine_config()  # fmt: skip
 
 
+@contextmanager
+def one_cpu_rank(model_dir: Path) -> Iterator[None]:
+    """vLLM's process groups for one CPU rank (gloo), as a worker sets them up; ``model_dir``
+    an MoE model's: vLLM creates its expert-parallel group only for MoE models."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    from tests.unit.wc_harness import free_port
+
+    with set_current_vllm_config(engine_config(model_dir)):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        )  # fmt: skip
+        ensure_model_parallel_initialized(1, 1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
 def cuda_wheel() -> bool:
     """vLLM 0.33 (the CUDA wheel on vLLM's CPU platform); 0.32 is the CPU build."""
     import vllm
@@ -64,7 +91,8 @@ def post_processing(enabled: bool) -> Iterator[None]:
 
 def load_ours_and_cold(model_dir: Path, extra: dict, *, tp: int = 1, post_process: bool = True):
     """vLLM's model through our loader (``extra``: its loader config; the worker's order:
-    the KV-budget hook, then load_model) and through vLLM's own DefaultModelLoader; without
+    the KV-budget hook, then load_model) and through vLLM's own DefaultModelLoader (each
+    with its config, where vLLM registered the model's layers); without
     ``post_process``, the
     cold one stops after vLLM's ``load_weights`` (its weight loaders: fusing, stacking,
     padding, sharding)."""
@@ -92,7 +120,7 @@ def load_ours_and_cold(model_dir: Path, extra: dict, *, tp: int = 1, post_proces
                     vllm_config=cold_config, model_config=cold_config.model_config
                 )
             cold_loader.load_weights(cold, cold_config.model_config)
-    return ours_config, loader, external, model, cold
+    return ours_config, loader, external, model, cold, cold_config
 
 
 def cpu_build_repacks(model, name: str) -> bool:
@@ -108,7 +136,7 @@ def cpu_build_repacks(model, name: str) -> bool:
     )
 
 
-def outcome(kind: str, ours_config, loader, external: int, model, cold) -> dict:
+def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_config) -> dict:
     """What a test asserts of one load, read from the engine's parameters."""
     import torch
 

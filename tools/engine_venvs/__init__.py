@@ -61,11 +61,16 @@ class EngineVenv:
 VENVS: dict[str, EngineVenv] = {
     venv.name: venv
     for venv in (
-        # The adapter tests run in every venv; each server test and the mixed-torch test
-        # once, the engine-layout tests at TP 2 in the pinned releases only: the previous
-        # minors run them at TP 1, through the same weight loaders that TP 2 shards with
-        # (a rank process each, a minute per venv; docs/engines.md, "Verified").
-        EngineVenv("vllm", "vllm", ("test_vllm.py", "test_vllm_layouts.py", "test_mixed_torch.py")),
+        # The adapter tests run in every venv; each server test, the mixed-torch test and
+        # vLLM's KV sizing test once, the engine-layout tests at TP 2 in the pinned
+        # releases only: the previous minors run them at TP 1, through the same weight
+        # loaders that TP 2 shards with (a rank process each, a minute per venv;
+        # docs/engines.md, "Verified").
+        EngineVenv(
+            "vllm",
+            "vllm",
+            ("test_vllm.py", "test_vllm_layouts.py", "test_vllm_kv.py", "test_mixed_torch.py"),
+        ),
         # vLLM's CPU build: the only one whose worker starts on CPU, so the server test.
         EngineVenv(
             "vllm_prev",

@@ -99,11 +99,19 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     @property
     def preloaded_weights_bytes(self) -> int:
-        """The daemon's bytes on this rank (its own layout's, else the checkpoint layout's;
-        0 after a disk fallback), read by SGLang's ``ModelRunner.preloaded_weights_bytes``
-        once ``load_model`` has run."""
-        if self._layout is not None and self._layout.attached is not None:
-            return self._layout.layout_bytes
+        """What SGLang's pre-load memory sample missed because of this engine's weights,
+        read by SGLang's ``ModelRunner.preloaded_weights_bytes`` once ``load_model`` has run
+        and added back to that sample: the daemon's bytes on this rank (its own layout's,
+        else the checkpoint layout's; 0 after a disk fallback).
+
+        SGLang samples before ``load_model``, where the layout is decided: on a layout's
+        first start the daemon builds it (and drops its checkpoint layout) after the
+        sample, so the sample held what the daemon held then. The layout's bytes less
+        that change (:attr:`LayoutDecision.daemon_bytes_change`) are the bytes resident at
+        the sample: the checkpoint layout's on a first start, the layout's once held."""
+        layout = self._layout
+        if layout is not None and layout.attached is not None:
+            return max(0, layout.layout_bytes - layout.daemon_bytes_change)
         return 0 if self._decided is None else self._decided.preloaded_weights_bytes
 
     def download_model(self, model_config: ModelConfig) -> None:
