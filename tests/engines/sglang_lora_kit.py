@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.engines.sglang_layout_kit import CACHE, _rotary_kernel_stand_in, load_ours, publish_rank
+from tests.engines.sglang_layout_kit import CACHE, load_ours, publish_rank, rotary_kernel_stand_in
 
 
 def _pinned_memory_stand_in() -> None:
@@ -50,7 +50,7 @@ def run_rank(rank: int, world: int, port: int, out: Path, job: str) -> None:
 
     from tests.engines.enginekit import in_daemon_memory
 
-    _rotary_kernel_stand_in()
+    rotary_kernel_stand_in()
     _pinned_memory_stand_in()
     from sglang.srt.plugins import load_plugins
 
