@@ -77,6 +77,24 @@ def float16_daemon(session_daemons: DaemonFactory, minilm_dir: Path) -> DaemonPr
     return session_daemons(minilm_dir, "--transport", "memfd", "--dtype", "float16")
 
 
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints (tiny_models), written once."""
+    from tests.engines.tiny_models import CONFIGS, write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def vllm_groups(tiny_dirs: dict[str, Path]) -> Iterator[None]:
+    """vLLM's process groups of one CPU rank, for the modules that build vLLM models."""
+    from tests.engines.vllm_layout_kit import one_cpu_rank
+
+    with one_cpu_rank(tiny_dirs["mixtral"]):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def fresh_decisions() -> Iterator[None]:
     """The attach decision is cached per process by design; each test decides anew."""

@@ -374,14 +374,6 @@ def test_load_model_maps_sglangs_own_layout_of_bert_bit_equal_to_a_cold_load(
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    from tests.engines.tiny_models import CONFIGS, write_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
-
-
-@pytest.fixture(scope="module")
 def tiny_loads(session_daemons, tiny_dirs, tmp_path_factory):
     """The tiny models loaded both ways in rank processes, once per TP size for the module
     (``sglang_layout_kit``: at TP 1 with SGLang's KV sizing of each, ``kv_outcome``)."""

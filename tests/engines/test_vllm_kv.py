@@ -57,10 +57,9 @@ from tests.engines.kv_kit import (  # noqa: E402
     layout_bytes,
     rounding_difference,
 )
-from tests.engines.tiny_models import CONFIGS, write_tiny_model  # noqa: E402
+from tests.engines.tiny_models import CONFIGS  # noqa: E402
 from tests.engines.vllm_layout_kit import (  # noqa: E402
     load_ours_and_cold,
-    one_cpu_rank,
     post_processes,
     post_processing,
 )
@@ -112,18 +111,6 @@ def kv_size(config, external: int, gpu: SyntheticGpu, engine_weights: int) -> Kv
     (kv_config,) = get_kv_cache_configs(config, specs, [available], groups)
     per_block = sum(t.size for t in kv_config.kv_cache_tensors) // kv_config.num_blocks
     return KvSize(available, kv_config.num_blocks, per_block)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
-
-
-@pytest.fixture(scope="module")
-def vllm_groups(tiny_dirs):
-    with one_cpu_rank(tiny_dirs["mixtral"]):
-        yield
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

@@ -29,30 +29,17 @@ from tests.engines.enginekit import require_engine, run_ranks
 require_engine("vllm")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from tests.engines.tiny_models import CONFIGS, EXPERTS, VOCAB, write_tiny_model  # noqa: E402
+from tests.engines.tiny_models import CONFIGS, EXPERTS, VOCAB  # noqa: E402
 from tests.engines.vllm_layout_kit import (  # noqa: E402
     CACHE,
     MOE,
     cuda_wheel,
     engine_config,
     load_ours_and_cold,
-    one_cpu_rank,
     outcome,
     post_processes,
     post_processing,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {kind: write_tiny_model(kind, root / kind) for kind in CONFIGS}
-
-
-@pytest.fixture(scope="module")
-def vllm_groups(tiny_dirs):
-    with one_cpu_rank(tiny_dirs["mixtral"]):
-        yield
 
 
 def assert_mapped_whole(result: dict, tp: int) -> None:
