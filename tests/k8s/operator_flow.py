@@ -238,6 +238,17 @@ class Api:
         return [e for e in self.core.list_namespaced_event(namespace).items
                 if e.involved_object.name == name and e.reason == reason]
 
+    def wait_events(self, namespace: str, name: str, reason: str, count: int | None = None
+                    ) -> list[k8s.CoreV1Event]:
+        """The Events on `name` with `reason` once there are `count` of them (or any, if None).
+        kopf posts an Event in the background after the handler that decided it returned, so a
+        state the handler wrote can be visible before its Event is."""
+        def probe() -> list[k8s.CoreV1Event] | None:
+            found = self.events(namespace, name, reason)
+            return found if (found if count is None else len(found) == count) else None
+        return eventually(f"{'some' if count is None else count} {reason} Event(s) on {name}",
+                          probe, bound=30)
+
 
 def pod_condition(pod: k8s.V1Pod, kind: str) -> k8s.V1PodCondition | None:
     return next((c for c in pod.status.conditions or [] if c.type == kind), None)

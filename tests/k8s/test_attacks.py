@@ -194,7 +194,7 @@ def test_a_hand_edited_daemonset_is_restored(
 
     # Within one resync of the operator's (30 s): the edit itself triggers the restore.
     eventually("the rendered pod template is back", restored, bound=45)
-    assert api.events(scene.namespace, scene.name, "DaemonSetRestored")
+    api.wait_events(scene.namespace, scene.name, "DaemonSetRestored")
 
 
 def rss_mib(pid: int) -> float:

@@ -99,7 +99,7 @@ def test_rollout_waits_for_verified_weights(scene: Scene, api: Api,
     assert gate_of(v2) == ("True", "WeightsResident") and is_ready(v2)
     assert eventually("the node is labelled", scene.label) == "Ready"
     assert scene.wc_table()[1][:5] == [name, "1/1", "Ready", "86.6MiB", "memfd"]
-    assert api.events(ns, name, "NodeReady")
+    api.wait_events(ns, name, "NodeReady")
     assert 'weightcache_operator_gate_decisions_total{reason="WeightsResident",status="True"}' in (
         operator.metrics()
     )
@@ -162,7 +162,7 @@ def test_operator_killed_mid_rollout_converges(scene: Scene, api: Api,
     assert gate_of(v2) == ("True", "WeightsResident")
     status = scene.status_where("the cache is Ready", lambda s: s.get("phase") == "Ready")
     assert eventually("the node is labelled", scene.label) == "Ready"
-    assert len(api.events(ns, name, "NodeReady")) == 1
+    api.wait_events(ns, name, "NodeReady", count=1)
 
     # A converged state survives another restart untouched: no write, no event.
     before = api.core.read_namespaced_pod(v2.metadata.name, ns)

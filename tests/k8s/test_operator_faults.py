@@ -326,7 +326,7 @@ def test_operator_killed_during_reconcile_converges(
     assert {n: e["ready"] for n, e in node_entries(status).items()} == dict.fromkeys(
         pool.nodes, True
     )
-    assert len(api.events(ns, name, "NodeReady")) == len(pool.nodes)
+    api.wait_events(ns, name, "NodeReady", count=len(pool.nodes))
 
     # Converged means a further restart rewrites nothing.
     status = api.status(ns, name)
@@ -522,5 +522,5 @@ def test_spec_change_mid_rollout_holds_gates_until_new_spec_reported(
     assert {e["pod"] for e in node_entries(status).values()} == {
         pool.daemon_pod(n).metadata.name for n in pool.nodes
     }
-    assert pool.api.events(ns, name, gate.FINGERPRINT_MISMATCH)
+    pool.api.wait_events(ns, name, gate.FINGERPRINT_MISMATCH)
     operator.check_running()
