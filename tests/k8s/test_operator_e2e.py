@@ -100,9 +100,10 @@ def test_rollout_waits_for_verified_weights(scene: Scene, api: Api,
     assert eventually("the node is labelled", scene.label) == "Ready"
     assert scene.wc_table()[1][:5] == [name, "1/1", "Ready", "86.6MiB", "memfd"]
     api.wait_events(ns, name, "NodeReady")
-    assert 'weightcache_operator_gate_decisions_total{reason="WeightsResident",status="True"}' in (
-        operator.metrics()
-    )
+    # Counted once the gate's write returned, which can be after the test saw the gate.
+    eventually("the open gate is counted", lambda: (
+        'weightcache_operator_gate_decisions_total{reason="WeightsResident",status="True"}'
+        in operator.metrics()))
 
     # A daemon holding weights for another spec closes the gate and holds a new rollout.
     scene.daemons[-1].stop()
