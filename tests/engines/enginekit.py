@@ -29,8 +29,8 @@ def require_engine(engine: str) -> None:
     if os.environ.get("WEIGHTCACHE_ENGINE_TESTS") == engine:
         raise RuntimeError(f"{engine} is not importable in its own test venv; rebuild it")
     pytest.skip(
-        f"{engine} is not installed in this interpreter; `make test-engines` runs these "
-        f"tests in the pinned {engine} venv",
+        f"{engine} is not installed in this interpreter (each engine pins its own torch, so "
+        f"none is in the project venv); `make test-engines` runs these tests in {engine}'s venvs",
         allow_module_level=True,
     )
 
@@ -127,13 +127,16 @@ def outside_the_range(engine: str, series: tuple[str, ...], where: Path) -> dict
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def wait_failed(server: EngineServer, within_s: float) -> int:
-    """The exit status of a server that must fail at start-up; it must never be healthy."""
+def assert_refused_at_start(server: EngineServer, within_s: float, refusal: str) -> None:
+    """``server`` must fail at start-up, never healthy, with a non-zero status and its log
+    naming ``UnsupportedEngineVersion: <refusal>``."""
     deadline = time.monotonic() + within_s
     try:
         while time.monotonic() < deadline:
             if server.proc.poll() is not None:
-                return server.proc.returncode
+                assert server.proc.returncode != 0, server.log()[-6000:]
+                assert f"UnsupportedEngineVersion: {refusal}" in server.log()
+                return
             if server.healthy():
                 raise AssertionError(f"{server.argv[:4]} started:\n{server.log()[-6000:]}")
             time.sleep(1)

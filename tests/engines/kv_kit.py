@@ -42,13 +42,11 @@ from unittest import mock
 
 import torch
 
+from weightcache.layout import align_up
+
 CUDA_BLOCK = 512  # the CUDA caching allocator's block: every allocation rounds up to it
 LAYOUT_STEP = 256  # weightcache.layout.ALIGNMENT: a parameter's step in the daemon's layout
 GiB = 1 << 30
-
-
-def align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
 
 
 def distinct_parameters(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -36,10 +36,10 @@ import pytest
 
 from tests.engines.enginekit import (
     EngineServer,
+    assert_refused_at_start,
     fetches,
     outside_the_range,
     require_engine,
-    wait_failed,
 )
 
 require_engine("sglang")
@@ -245,8 +245,7 @@ def test_outside_the_supported_range_sglang_serves_by_default_and_refuses_weight
     server = EngineServer(
         plugin_route(minilm_dir, port, cold[2]), port, tmp / "outside-plugin.log", env
     )
-    assert wait_failed(server, START_WITHIN_S) != 0
-    assert f"UnsupportedEngineVersion: {refusal}" in server.log()
+    assert_refused_at_start(server, START_WITHIN_S, refusal)
 
     launcher = "weightcache.integrations.sglang.launch"
     argv = [sys.executable, "-m", launcher, *sglang_args(minilm_dir, free_port()),
