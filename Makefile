@@ -77,9 +77,11 @@ soak: testenv
 test-unit: csi-stubs
 	$(PY) -m pytest -rs tests/unit
 
-# On a CUDA machine (see tests/gpu/README.md).
+# On a CUDA machine (see tests/gpu/README.md): the whole GPU suite, then its record
+# benchmarks/results/gpu-suite.json (which sidecar/ tree passed on which GPU); refused
+# while sidecar/ has uncommitted changes. A change to sidecar/ lands with a fresh record.
 test-gpu: venv
-	WEIGHTCACHE_RESULTS_DIR=benchmarks/results $(PY) -m pytest -rs -s tests/gpu
+	$(PY) -m tools.gpu_suite run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,6 +22,7 @@ status says so).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -61,6 +62,21 @@ class TorchIpcHandles(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _handles_decoder = msgspec.msgpack.Decoder(TorchIpcHandles)
+
+
+def export_handles(shared: Sequence[Sequence[object] | None]) -> dict:
+    """The reply's ``handles``: this daemon's torch release and, per allocation, the
+    fields of its ``UntypedStorage._share_cuda_()`` (None for a CPU allocation, whose fd
+    travels in the ``fds`` frame).
+
+    The handle fields are bytes and must stay bytes: the reply is MessagePack, which
+    carries them as ``bin``. A plain ``to_builtins`` would turn them into base64 text,
+    which the engine's decoder refuses (and would have to guess back).
+    """
+    allocations = [None if fields is None else CudaIpcHandle(*fields) for fields in shared]
+    return msgspec.to_builtins(
+        TorchIpcHandles(torch_release(), allocations), builtin_types=(bytes,)
+    )
 
 
 def torch_release() -> str:
@@ -113,19 +129,10 @@ class TorchIpcBackend(WeightCacheTransportBackend):
     def prepare_export(self, memory: DaemonMemory) -> Export:
         assert isinstance(memory, TorchAllocatorMemory)
         if memory.device.type == "cuda":
-            handles = [self._cuda_handle(b) for b in memory.buffers]
-            return Export(handles=self._export(handles), fds=[])
+            shared = [b.untyped_storage()._share_cuda_() for b in memory.buffers]
+            return Export(handles=export_handles(shared), fds=[])
         fds = [b.untyped_storage()._share_fd_cpu_()[0] for b in memory.buffers]
-        return Export(handles=self._export([None] * len(fds)), fds=fds)
-
-    @staticmethod
-    def _export(allocations: list[CudaIpcHandle | None]) -> dict:
-        return msgspec.to_builtins(TorchIpcHandles(torch_release(), allocations))
-
-    @staticmethod
-    def _cuda_handle(buffer: torch.Tensor) -> CudaIpcHandle:
-        fields = buffer.untyped_storage()._share_cuda_()
-        return CudaIpcHandle(*fields)
+        return Export(handles=export_handles([None] * len(fds)), fds=fds)
 
     def fds_expected(self, handles: list[object]) -> bool:
         # CPU shared memory travels as fds; CUDA IPC handles are plain bytes.
