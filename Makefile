@@ -79,7 +79,7 @@ test-unit: csi-stubs
 
 # On a CUDA machine (see tests/gpu/README.md): the whole GPU suite, then its record
 # benchmarks/results/gpu-suite.json (which sidecar/ tree passed on which GPU); refused
-# while sidecar/ has uncommitted changes. A change to sidecar/ lands with a fresh record.
+# unless sidecar/ is exactly the committed tree. A change to sidecar/ lands with a fresh record.
 test-gpu: venv
 	$(PY) -m tools.gpu_suite run
 

@@ -11,9 +11,11 @@ device, driver, torch and CUDA, the counts with the failed and skipped test ids,
 That hash is computed from the files themselves, the way git hashes a tree, so the
 record can be written on a GPU machine that received a copy of the working tree without
 its git metadata: it equals ``git rev-parse HEAD:sidecar`` exactly when the files are
-those of the commit. Where the git metadata is present, ``run`` refuses a ``sidecar/``
-with uncommitted changes before it starts. ``check`` (run by ``.ci/run``, stdlib only)
-compares the record with ``HEAD:sidecar`` and prints a loud warning when they differ.
+those of the commit. ``run`` refuses to start unless they are: the files must hash to
+``HEAD:sidecar``, or, on a copy whose git metadata is missing or not its own, to
+``--expect-tree`` (that hash, computed where the commit is). ``check`` (run by
+``.ci/run``, stdlib only) compares the record with ``HEAD:sidecar`` and prints a loud
+warning when they differ.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def say(message: str) -> None:
     print(f"gpu_suite: {message}", file=sys.stderr)
 
 
-def run(out: Path) -> int:
+def run(out: Path, expect_tree: str | None = None) -> int:
     import time
 
     import pytest
@@ -204,18 +206,14 @@ def run(out: Path) -> int:
         )
         return 2
     sidecar_tree = tree_hash(REPO_ROOT, TREE)
-    if git("rev-parse", "--git-dir") is not None:
-        dirty = git("status", "--porcelain", "--", TREE)
-        if dirty:
-            say(
-                f"{TREE}/ has uncommitted changes; commit them first, so that the record "
-                f"names a tree that exists:\n{dirty}"
-            )
-            return 2
-        head = git("rev-parse", f"HEAD:{TREE}")
-        if head != sidecar_tree:
-            say(f"{TREE}/ hashes to {sidecar_tree} here, git says {head}")
-            return 2
+    expected = expect_tree or git("rev-parse", f"HEAD:{TREE}")
+    if sidecar_tree != expected:
+        say(
+            f"{TREE}/ here hashes to {sidecar_tree}, not to the committed tree "
+            f"{expected or '(no git here: pass --expect-tree)'}: commit first (or copy the "
+            f"commit over whole), so that the record names a tree that exists"
+        )
+        return 2
     print(f"gpu_suite: {TREE}/ tree {sidecar_tree}", flush=True)
     outcomes = Outcomes()
     started = time.monotonic()
@@ -267,9 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.gpu_suite")
     parser.add_argument("command", choices=("run", "check", "tree"))
     parser.add_argument("--record", type=Path, default=RECORD, help=f"default: {RECORD}")
+    parser.add_argument(
+        "--expect-tree",
+        help="run: the sidecar/ tree the files must hash to (`git rev-parse HEAD:sidecar` "
+        "where the commit is), for a copy whose git metadata is missing or not its own",
+    )
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.record)
+        return run(args.record, args.expect_tree)
     if args.command == "check":
         return check(args.record)
     print(tree_hash(REPO_ROOT, TREE))

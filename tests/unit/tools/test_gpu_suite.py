@@ -126,3 +126,15 @@ def test_an_unreadable_record_is_a_warning_too(repo: Path, capsys) -> None:
     (repo / "gpu-suite.json").write_text("[1, 2")
     assert check(repo / "gpu-suite.json", repo) == 0
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_the_suite_refuses_a_tree_that_is_not_the_committed_one(monkeypatch, capsys) -> None:
+    """On a CUDA machine it would check before running a test; without one it stops
+    earlier, so this checks the verdict itself with the tree this checkout holds."""
+    import tools.gpu_suite as suite
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("pytest.main", lambda *a, **k: pytest.fail("the suite must not start"))
+    assert suite.run(Path("/nonexistent/gpu-suite.json"), expect_tree="0" * 40) == 2
+    err = capsys.readouterr().err
+    assert f"not to the committed tree {'0' * 40}" in err
