@@ -124,6 +124,9 @@ SHARD_BYTES = 5 * 10**9  # published checkpoints are cut at about 5 GB
 # for one when no start of its kind has been timed yet (the first compiles: longer).
 START_TIMEOUT_S = 480
 EXIT_GRACE_S = 15
+# A call's deadline (--deadline-s) leaves this much of the device tool's 600 s for the last
+# start to end and the result to be written.
+DEADLINE_SLACK_S = 40
 FIRST_START_GUESS_S = 240
 START_GUESS_S = 120
 KILL9_GUESS_S = 240
@@ -790,6 +793,7 @@ class Bench:
         self.doc = json.loads(self.result_path.read_text()) if self.result_path.exists() \
             else new_result()
         self.logs_this_call: list[Path] = []
+        self.kill_leftover_engine()
 
     # ---------------------------------------------------------------- environments
 
@@ -848,7 +852,8 @@ class Bench:
 
     # ---------------------------------------------------------------- bookkeeping
 
-    def save(self, out: Path) -> None:
+    def save(self) -> None:
+        out = self.args.out
         self.doc["report"] = build_report(self.doc)
         self.doc["result_problems"] = check_result(self.doc)
         _write_json(self.result_path, self.doc)
@@ -879,6 +884,18 @@ class Bench:
         return self.deadline - time.monotonic()
 
     # ---------------------------------------------------------------- the daemon
+
+    def kill_leftover_engine(self) -> None:
+        """An engine of an earlier call cut off by the device tool's limit runs on in its own
+        session, holding the GPU: end it before anything else."""
+        path = self.work / "engine.pid"
+        if path.exists():
+            pid = int(path.read_text())
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                _say(f"killed the engine process group {pid} an earlier call left running")
+            path.unlink()
 
     def daemon_pid(self) -> int | None:
         path = self.work / "daemon.json"
@@ -978,6 +995,7 @@ class Bench:
             env=self.engine_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+        (self.work / "engine.pid").write_text(str(proc.pid))
         serving_error = None
         try:
             if while_serving is not None:
@@ -988,7 +1006,10 @@ class Bench:
                 Path(spec["stop"]).touch()
             # Done when it exits, or once its result is written: vLLM's own shutdown is
             # given EXIT_GRACE_S, then the group is killed (a hung teardown costs no more).
-            _wait(lambda: proc.poll() is not None or result_path.exists(), START_TIMEOUT_S)
+            # Never past the deadline's slack: a start cut off by the device tool would leave
+            # no result behind.
+            limit = min(START_TIMEOUT_S, max(60.0, self.left() + DEADLINE_SLACK_S))
+            _wait(lambda: proc.poll() is not None or result_path.exists(), limit)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(EXIT_GRACE_S)
             code = proc.poll()
@@ -997,6 +1018,7 @@ class Bench:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            (self.work / "engine.pid").unlink(missing_ok=True)
         wall = time.time() - t0
         text = log.read_text(errors="replace")
         record: dict = {"run": plan.run, "arm": plan.arm, "eager": plan.eager,
@@ -1037,6 +1059,7 @@ class Bench:
         the next would most likely fail alike, at device time's cost."""
         self.doc["starts"] = [s for s in self.doc["starts"] if s["run"] != start["run"]]
         self.doc["starts"].append(start)
+        self.save()  # a call cut off later still leaves this start's record in --out
         if start["status"] != "ok":
             _say(f"{start['run']}: {start['status']} (exit {start['exit_code']}, "
                  f"{start.get('error')}); log tail in the result")  # fmt: skip
@@ -1344,7 +1367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if phase != "report":
                 getattr(bench, f"phase_{phase}")()
             bench.done(phase)
-            bench.save(args.out)
+            bench.save()
     except Incomplete as exc:
         _say(f"not finished, call again: {exc}")
         code = 3
@@ -1352,7 +1375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.doc["errors"].append({"phase": phase, "error": repr(exc), "at": time.time()})
         _say(f"{phase} failed: {exc!r}")
         code = 1
-    bench.save(args.out)
+    bench.save()
     report = bench.doc["report"]
     _say(f"result in {args.out}: phases done {bench.doc['phases_done']}; "
          f"outputs equal {report.get('all_outputs_equal')}; "

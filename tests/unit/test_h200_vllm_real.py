@@ -350,7 +350,8 @@ def test_vllm_finds_both_plugins_through_the_stub_distributions(tmp_path: Path) 
 def test_a_schedule_resumes_where_it_stopped_and_stops_before_the_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    args = bench.parse_args(["--work", str(tmp_path / "w"), "--restarts", "2"], {})
+    args = bench.parse_args(["--work", str(tmp_path / "w"), "--restarts", "2"],
+                            {"OUT": str(tmp_path / "out")})  # fmt: skip
     runner = bench.Bench(args)
     started: list[str] = []
 
@@ -376,6 +377,9 @@ def test_a_schedule_resumes_where_it_stopped_and_stops_before_the_deadline(
     runner.run_schedule(plans)  # resumes after the start already recorded
     assert started == ["cold-first", "cold-1", "cold-2", "cold-eager"]
     assert [s["run"] for s in runner.doc["starts"]] == started
+    # Each start's record reaches --out at once (a call cut off later keeps it).
+    saved = json.loads((tmp_path / "out" / "h200-vllm-real.json").read_text())
+    assert [s["run"] for s in saved["starts"]] == started and saved["result_problems"] == []
     # Once counted starts are timed, they set the guess: the longest, +20 %.
     assert runner.duration_guess(bench.StartPlan("cold-3", "cold", False, True)) == 120.0
 
@@ -392,3 +396,18 @@ def test_an_event_line_still_being_written_is_not_read(tmp_path: Path) -> None:
     assert bench._events(events) == []
     events.write_text('{"started": 1.0, "equal": true, "error": null}\n{"started": 2.')
     assert bench._events(events) == [{"started": 1.0, "equal": True, "error": None}]
+
+
+def test_an_engine_a_cut_off_call_left_running_is_ended_by_the_next(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    left = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        (work / "engine.pid").write_text(str(left.pid))
+        bench.Bench(bench.parse_args(["--work", str(work)], {"OUT": str(tmp_path)}))
+        assert left.wait(10) == -9
+        assert not (work / "engine.pid").exists()
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
