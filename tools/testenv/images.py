@@ -181,10 +181,15 @@ class ImageSet:
         return load
 
 
-def node_spec(log: Log = _stderr, name: str = DEFAULT_NAME) -> NodeSpec:
-    """Build (or find) every image and describe the real node that runs them."""
+def node_spec(log: Log = _stderr, name: str = DEFAULT_NAME,
+              names: Sequence[str] | None = None) -> NodeSpec:
+    """Build (or find) every image and describe the real node that runs them (`names`
+    only, when given: a quicker start on a cold store)."""
     images = ensure_images(log)
-    return NodeSpec(pause_image=images.refs["pause"], load_images=images.loader(),
+    unknown = set(names or ()) - set(images.refs)
+    if unknown:
+        raise ValueError(f"no such images: {sorted(unknown)} (known: {sorted(images.refs)})")
+    return NodeSpec(pause_image=images.refs["pause"], load_images=images.loader(names),
                     store_cache=cache_dir(), name=name)
 
 

@@ -161,9 +161,10 @@ class RealNode:
         self.cluster_ip = cluster_ip
         self.log = log
         self.group = ProcessGroup()
-        self.sockets = Path("/tmp", f"wc-node-{os.getpid()}-{os.urandom(3).hex()}")
+        tmp = Path("/tmp").resolve()
+        self.sockets = tmp / f"wc-node-{os.getpid()}-{os.urandom(3).hex()}"
         # Short (pods' socket paths start with it), a tmpfs of its own (see nodeconfig).
-        self.socket_root = Path("/tmp", f"wc-sroot-{os.getpid()}-{os.urandom(3).hex()}")
+        self.socket_root = tmp / f"wc-sroot-{os.getpid()}-{os.urandom(3).hex()}"
         self.layout: Layout | None = None
         self._api: ApiClient | None = None
         self._store_lock: int | None = None
@@ -191,8 +192,9 @@ class RealNode:
         self.group = ProcessGroup()
         store, self._store_lock = acquire_store(self.store_cache, self.run_dir)
         store.mkdir(parents=True, exist_ok=True)
+        # A HOME (or TMPDIR) reached through a symlink: see Layout.
         layout = self.layout = Layout(
-            run=str(self.run_dir), store=str(store), name=self.name,
+            run=str(self.run_dir.resolve()), store=str(store.resolve()), name=self.name,
             cgroup=f"weightcache-testenv-{os.getpid()}-{os.urandom(3).hex()}",
             cluster_ip=self.cluster_ip, sockets=str(self.sockets),
             socket_root=str(self.socket_root),
@@ -327,7 +329,7 @@ class RealNode:
             raise RuntimeError(f"testenv: node processes that would not die: {sorted(stuck)}")
         for name in ("kubelet", "containerd"):
             self.group.stop_one(name, signal.SIGKILL)
-        left = unmount_all(layout.run, layout.store, keep=(str(layout.netns),))
+        left = unmount_all(layout.run, layout.store, layout.sockets, keep=(str(layout.netns),))
         if left:
             raise RuntimeError(f"testenv: mounts of the node left after its restart: {left}")
         for volatile in (layout.containerd_state, layout.runc_root):
