@@ -161,10 +161,9 @@ class RealNode:
         self.cluster_ip = cluster_ip
         self.log = log
         self.group = ProcessGroup()
-        tmp = Path("/tmp").resolve()
-        self.sockets = tmp / f"wc-node-{os.getpid()}-{os.urandom(3).hex()}"
+        self.sockets = Path("/tmp", f"wc-node-{os.getpid()}-{os.urandom(3).hex()}")
         # Short (pods' socket paths start with it), a tmpfs of its own (see nodeconfig).
-        self.socket_root = tmp / f"wc-sroot-{os.getpid()}-{os.urandom(3).hex()}"
+        self.socket_root = Path("/tmp", f"wc-sroot-{os.getpid()}-{os.urandom(3).hex()}")
         self.layout: Layout | None = None
         self._api: ApiClient | None = None
         self._store_lock: int | None = None
@@ -192,12 +191,10 @@ class RealNode:
         self.group = ProcessGroup()
         store, self._store_lock = acquire_store(self.store_cache, self.run_dir)
         store.mkdir(parents=True, exist_ok=True)
-        # A HOME (or TMPDIR) reached through a symlink: see Layout.
-        layout = self.layout = Layout(
-            run=str(self.run_dir.resolve()), store=str(store.resolve()), name=self.name,
+        layout = self.layout = resolved_layout(
+            self.run_dir, store, self.sockets, self.socket_root, name=self.name,
             cgroup=f"weightcache-testenv-{os.getpid()}-{os.urandom(3).hex()}",
-            cluster_ip=self.cluster_ip, sockets=str(self.sockets),
-            socket_root=str(self.socket_root),
+            cluster_ip=self.cluster_ip,
         )
         self._api = api
         record: dict[str, Any] = {"layout": asdict(layout), "sysctls": {},
@@ -390,6 +387,15 @@ class RealNode:
             self._guard.wait(timeout=30)
             self._guard = None
         self.layout = None
+
+
+def resolved_layout(run: Path, store: Path, sockets: Path, socket_root: Path, *, name: str,
+                    cgroup: str, cluster_ip: str) -> Layout:
+    """The node's layout with every directory resolved (a HOME or TMPDIR reached through a
+    symlink): see Layout. Parents that do not exist yet are taken as they are written."""
+    return Layout(run=str(run.resolve()), store=str(store.resolve()), name=name, cgroup=cgroup,
+                  cluster_ip=cluster_ip, sockets=str(sockets.resolve()),
+                  socket_root=str(socket_root.resolve()))
 
 
 def share_kubelet_root(root: Path) -> None:
