@@ -316,7 +316,7 @@ def test_the_guards_match_the_operators_and_the_daemon_set_controllers_identitie
 
 
 def test_the_sweeper_runs_with_chown_alone_on_every_socket_root(render: Renderer) -> None:
-    docs = render(set_values=["cachePolicy.allowedHostPaths.socketDirs={/run/a,/run/b/}",
+    docs = render(set_values=["cachePolicy.allowedHostPaths.socketDirs={/run/a,/run/b}",
                               "daemon.namespace=daemons", "sweeper.intervalSeconds=30"])
     sweeper = one(docs, "DaemonSet", "-sweeper")
     assert sweeper["metadata"]["namespace"] == "daemons"
@@ -350,12 +350,13 @@ def test_the_daemon_pod_guard_keeps_daemon_pods_in_the_daemon_namespace(
     assert "request.namespace in ['daemons','old-a']" in first
 
 
-def test_the_operator_gets_each_namespaces_model_sources(render: Renderer) -> None:
-    docs = render(set_values=[
-        "cachePolicy.namespaceModelSources.team-a.modelDirs={/models/a}",
-        "cachePolicy.namespaceModelSources.team-a.modelClaims={a-weights}",
-        "cachePolicy.namespaceModelSources.team-b.modelDirs={}",
-    ])
+def test_the_operator_gets_each_namespaces_model_sources(render: Renderer, tmp_path: Path
+                                                        ) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(json.dumps({"cachePolicy": {"namespaceModelSources": {
+        "team-a": {"modelDirs": ["/models/a"], "modelClaims": ["a-weights"]},
+        "team-b": {}}}}))
+    docs = render(values)
     policy = policy_of(operator_pod(docs))
     assert policy.model_sources("team-a")[0].model_dirs == ("/models/a",)
     assert policy.model_sources("team-a")[0].model_claims == ("a-weights",)
