@@ -780,9 +780,10 @@ def test_the_default_chart_admits_every_example_and_a_gpu_cache_naming_only_its_
             assert result.returncode == 0, (path.name, result.stderr)
         result = admitted(minimal)
         assert result.returncode == 0, result.stderr
-        # visible-devices is for the chart's own image while images are not restricted.
+        # visible-devices is for the chart's own image while images are not restricted (an
+        # image the release's own policy, bound everywhere, allows).
         other_image = {**minimal, "spec": {**minimal["spec"],
-                                           "sidecar": {"image": "elsewhere.example/x:1"}}}
+                                           "sidecar": {"image": "registry.corp.example/x:1"}}}
         result = admitted(other_image)
         assert result.returncode != 0
         assert "only the chart's own sidecar image" in result.stderr, result.stderr

@@ -389,6 +389,9 @@ def import_into(buildah: Buildah, ctr: list[str], refs: Sequence[str], log: Log,
             raise RuntimeError(f"testenv: importing {ref} into containerd failed: "
                                f"{push_err[-2000:]} {imported.stderr[-2000:]}")
         log(f"testenv: imported {ref} into the node in {time.monotonic() - started:.1f} s")
+        # At once, not after the last import: the next archive is ingested whole (a torch
+        # image's 6 GB) before it unpacks, and a small disk once held no more.
+        discard_unpacked_layers(ctr)
     if prune:
         listing = subprocess.run([*ctr, "images", "list"], capture_output=True, text=True,
                                  check=True).stdout
