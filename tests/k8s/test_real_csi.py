@@ -153,7 +153,7 @@ def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.Im
                         "namespaceModelSources": {
                             ns: {"modelDirs": [str(minilm_dir())]},
                             TENANT: {"modelDirs": [str(tenant_models.parent)]}}},
-        "sweeper": {"intervalSeconds": 86400},
+        "sweeper": {"intervalSeconds": 86400, "nodeSelector": node},
     }))
     chart = Path(__file__).resolve().parents[2] / "charts" / "weightcache-operator"
     try:

@@ -366,6 +366,9 @@ def test_the_operator_gets_each_namespaces_model_sources(render: Renderer, tmp_p
         docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["variables"]}
     assert "{'team-a':['/models/a'],'team-b':[]}" in variables["modelDirs"]
     assert "{'team-a':['a-weights'],'team-b':[]}" in variables["modelClaims"]
+    # The operator's guard lets its DaemonSets mount any namespace's model directory.
+    guard = json.dumps(one(docs, "ValidatingAdmissionPolicy", "-operator-guard")["spec"])
+    assert "['/models','/models/a']" in guard
 
 
 def test_the_default_policy_renders_every_example_and_a_gpu_cache_naming_only_its_model(
