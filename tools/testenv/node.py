@@ -339,6 +339,8 @@ class RealNode:
             raise RuntimeError(f"testenv: cgroups left after the restart: {left_cgroups}")
         cgroups.create(layout.cgroup)
         time.sleep(down_seconds)
+        # Its shared bind went with the node's mounts; a machine's boot shares / again.
+        share_kubelet_root(layout.kubelet_root)
         self.start_containerd(timeout)
         self.start_kubelet(timeout)
 
