@@ -164,6 +164,7 @@ class Demo:
                     "registrar": {"image": {"repository": operator_repo, "tag": operator_tag,
                                             "pullPolicy": "Never"},
                                   "command": ["python", "-m", "weightcache_csi", "register"]}},
+            "sweeper": {"nodeSelector": {"kubernetes.io/hostname": self.node}},
             # The cache policy admits this run's socket root and the checkpoint (in the venv).
             "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(self.socket_root)],
                                                  "modelDirs": [str(self.model_dir)]}},

@@ -71,10 +71,20 @@ class Injection:
         return f"{CONTAINER_SOCKET_ROOT}/{self.directory}"
 
 
+def is_daemon(labels: Mapping[str, str]) -> bool:
+    """Whether a pod carries the daemon labels (`managed-by` the operator, component
+    `daemon`): the chart's daemon-pod guard admits such a pod only from the DaemonSet
+    controller, in the daemon namespace."""
+    return (labels.get(names.MANAGED_BY_LABEL) == names.MANAGER
+            and labels.get(names.COMPONENT_LABEL) == names.DAEMON_COMPONENT)
+
+
 def asks(labels: Mapping[str, str]) -> bool:
-    """Whether a pod asks for a cache: the chart's objectSelector, which sends the webhook
-    pods labelled `weightcache.dev/cache` except the operator's own daemon pods."""
-    return names.CACHE_LABEL in labels and labels.get(names.MANAGED_BY_LABEL) != names.MANAGER
+    """Whether a pod asks for a cache: the chart's objectSelectors, which send the webhook
+    every pod labelled `weightcache.dev/cache` but those with both daemon labels. One of
+    them alone exempts nothing (once, `managed-by: weightcache-operator` alone was admitted
+    bare: no gate, volume or group)."""
+    return names.CACHE_LABEL in labels and not is_daemon(labels)
 
 
 def wanted(pod_namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str]

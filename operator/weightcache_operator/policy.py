@@ -10,6 +10,15 @@ policy changed, or in a cluster without the admission policy.
 
 Without `WEIGHTCACHE_POLICY` nothing is allowed: no socket directory, no model
 directory, so the operator renders nothing until an admin says what is.
+
+Model sources are per namespace: a namespace the policy lists
+(`namespaceModelSources`) may use only the model directories and claims its
+entry names; any other namespace gets the cluster default
+(`allowedHostPaths.modelDirs`, `allowedModelClaims`). A cache loads, and its
+engines map, whatever its model source holds, so this decides who can read
+which weights.
+
+Every violation of one spec is reported at once, each naming its field.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from .spec import GPU_ACCESS_MODES, QUANTITY_RE, TRANSPORTS, WeightCacheSpec
+from .spec import DNS_LABEL_RE, GPU_ACCESS_MODES, QUANTITY_RE, TRANSPORTS, WeightCacheSpec
 
 POLICY_ENV = "WEIGHTCACHE_POLICY"
 
@@ -39,6 +48,14 @@ class HostPaths(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename=
     socket_dirs: tuple[AbsPath, ...] = ()
     # spec.model.path must be one of these or lie below one (mounted read-only).
     model_dirs: tuple[AbsPath, ...] = ()
+
+
+class ModelSources(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+    """What one namespace's caches may load: host directories (the model path must be one
+    or lie below one) and PersistentVolumeClaims of the daemon namespace."""
+
+    model_dirs: tuple[AbsPath, ...] = ()
+    model_claims: tuple[str, ...] = ()
 
 
 class Toleration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
@@ -72,10 +89,15 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="ca
     # needs Pod Security `privileged`), never in the cache's own namespace.
     daemon_namespace: str | None = None
     # A PVC model (spec.model.pvc.claimName) and a DRA claim (spec.gpuAccess.claim) are
-    # looked up in the daemon namespace: a cache may name only these.
+    # looked up in the daemon namespace: a cache may name only these. The model claims
+    # (and allowed_host_paths.model_dirs) are the default of namespaces that
+    # namespace_model_sources does not list.
     allowed_model_claims: tuple[str, ...] = ()
     allowed_resource_claims: tuple[str, ...] = ()
     allowed_host_paths: HostPaths = HostPaths()
+    # Per namespace, in place of the default: the only model directories and claims its
+    # caches may load (and so the only weights their engines can read).
+    namespace_model_sources: dict[str, ModelSources] = msgspec.field(default_factory=dict)
     # Empty: any image.
     allowed_sidecar_image_prefixes: tuple[Image, ...] = ()
     allowed_transports: tuple[str, ...] = TRANSPORTS
@@ -88,9 +110,17 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="ca
     # here, its request and limit at most this quantity.
     max_sidecar_resources: dict[str, str] = msgspec.field(
         default_factory=lambda: {"cpu": "8", "memory": "64Gi"})
-    # How a GPU cache's daemons may see GPUs; visible-devices (every GPU of the node, no
-    # request) needs allowed image prefixes as well.
-    allowed_gpu_access_modes: tuple[str, ...] = ("device-plugin", "dra")
+    # How a GPU cache's daemons may see GPUs. visible-devices (every GPU of the node, no
+    # request) is for the sidecar image above, or images under allowed prefixes.
+    allowed_gpu_access_modes: tuple[str, ...] = GPU_ACCESS_MODES
+
+    def model_sources(self, namespace: str) -> tuple[ModelSources, str]:
+        """The model sources of `namespace`'s caches, and whose they are (for messages)."""
+        listed = self.namespace_model_sources.get(namespace)
+        if listed is not None:
+            return listed, f"namespace {namespace}'s"
+        default = ModelSources(self.allowed_host_paths.model_dirs, self.allowed_model_claims)
+        return default, "the cluster's default"
 
 
 def policy_from_env(env: Mapping[str, str] = os.environ) -> Policy:
@@ -111,6 +141,10 @@ def policy_from_env(env: Mapping[str, str] = os.environ) -> Policy:
     for name, cap in policy.max_sidecar_resources.items():
         if not QUANTITY_RE.match(cap):
             raise PolicyError(f"{POLICY_ENV}: maxSidecarResources.{name}: {cap!r} is no quantity")
+    for namespace in policy.namespace_model_sources:
+        if not (len(namespace) <= 63 and DNS_LABEL_RE.match(namespace)):
+            raise PolicyError(f"{POLICY_ENV}: namespaceModelSources: {namespace!r} is not a "
+                              "namespace name")
     return policy
 
 
@@ -166,92 +200,119 @@ def image_allowed(image: str, prefixes: tuple[str, ...]) -> bool:
     return False
 
 
-def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int) -> str:
-    """The daemon image to run; `PolicyError` names the first field the policy forbids."""
+def check_spec(spec: WeightCacheSpec, policy: Policy, operator_uid: int, namespace: str
+               ) -> str:
+    """The daemon image to run; `PolicyError` names every field the policy forbids, at once
+    (one message, `; ` between them and in no message), so that a user fixes them in one
+    go."""
+    problems = violations(spec, policy, operator_uid, namespace)
+    if problems:
+        raise PolicyError("; ".join(problems))
+    image = spec.sidecar.image or policy.sidecar_image
+    assert image is not None  # violations() names an unset one
+    return image
+
+
+def violations(spec: WeightCacheSpec, policy: Policy, operator_uid: int, namespace: str
+               ) -> list[str]:
+    """What a cache of `namespace` with `spec` asks for that the policy forbids, each naming
+    its field; empty when it may run (pure)."""
+    problems: list[str] = []
     if spec.transport not in policy.allowed_transports:
-        raise PolicyError(
+        problems.append(
             f"spec.transport: {spec.transport} is not allowed by the cluster's cache policy "
             f"(allowed: {', '.join(policy.allowed_transports)})"
         )
     sockets = policy.allowed_host_paths.socket_dirs
     if _norm(spec.socket_dir) not in {_norm(d) for d in sockets}:
         allowed = ", ".join(sockets) or "none (set cachePolicy.allowedHostPaths.socketDirs)"
-        raise PolicyError(
+        problems.append(
             f"spec.socketDir: {spec.socket_dir} is not a socket directory the cluster's cache "
             f"policy allows (allowed: {allowed})"
         )
-    models = policy.allowed_host_paths.model_dirs
-    if spec.model.path is not None and not path_within(spec.model.path, models):
-        allowed = ", ".join(models) or "none (set cachePolicy.allowedHostPaths.modelDirs)"
-        raise PolicyError(
-            f"spec.model.path: {spec.model.path} is not under a model directory the cluster's "
-            f"cache policy allows (allowed: {allowed}); or use spec.model.pvc"
-        )
-    pvc = spec.model.pvc
-    if pvc is not None and pvc.claim_name not in policy.allowed_model_claims:
-        allowed = ", ".join(policy.allowed_model_claims) or "none"
-        raise PolicyError(
-            f"spec.model.pvc.claimName: {pvc.claim_name} is not a claim the cluster's cache "
-            f"policy allows in the daemon namespace (allowed: {allowed})"
-        )
+    problems += _model_violations(spec, policy, namespace)
     claim = spec.gpu_access.claim
     if spec.device == "cuda" and spec.gpu_access.mode == "dra":
         named = claim.resource_claim_name or claim.resource_claim_template_name
         if named not in policy.allowed_resource_claims:
             allowed = ", ".join(policy.allowed_resource_claims) or "none"
-            raise PolicyError(
+            problems.append(
                 f"spec.gpuAccess.claim: {named} is not a resource claim (or template) the "
                 f"cluster's cache policy allows in the daemon namespace (allowed: {allowed})"
             )
+    image = spec.sidecar.image or policy.sidecar_image
     if spec.device == "cuda":
         mode = spec.gpu_access.mode
         if mode not in policy.allowed_gpu_access_modes:
-            raise PolicyError(
+            problems.append(
                 f"spec.gpuAccess.mode: {mode} is not allowed by the cluster's cache policy "
                 f"(allowed: {', '.join(policy.allowed_gpu_access_modes) or 'none'})"
             )
-        if mode == "visible-devices" and not policy.allowed_sidecar_image_prefixes:
-            raise PolicyError(
-                "spec.gpuAccess.mode: visible-devices shows every GPU of the node to the daemon "
-                "image, so the cluster's cache policy must restrict images "
-                "(cachePolicy.allowedSidecarImagePrefixes) to allow it"
+        elif (mode == "visible-devices" and not policy.allowed_sidecar_image_prefixes
+              and image != policy.sidecar_image):
+            problems.append(
+                f"spec.gpuAccess.mode: visible-devices shows every GPU of the node to the "
+                f"daemon image, so only the chart's own sidecar image ({policy.sidecar_image}) "
+                "may use it, unless the cluster's cache policy restricts images "
+                "(cachePolicy.allowedSidecarImagePrefixes)"
             )
-    _check_placement(spec, policy)
-    _check_resources(spec, policy)
-    image = spec.sidecar.image or policy.sidecar_image
+    problems += _placement_violations(spec, policy)
+    problems += _resource_violations(spec, policy)
     if not image:
-        raise PolicyError(
+        problems.append(
             "spec.sidecar.image: unset, and the operator has no default sidecar image "
             f"({POLICY_ENV} sidecarImage)"
         )
-    if not image_allowed(image, policy.allowed_sidecar_image_prefixes):
-        raise PolicyError(
-            f"spec.sidecar.image: {image} is not allowed by the cluster's cache policy; it must "
+    elif not image_allowed(image, policy.allowed_sidecar_image_prefixes):
+        problems.append(
+            f"spec.sidecar.image: {image} is not allowed by the cluster's cache policy: it must "
             f"be under one of: {', '.join(policy.allowed_sidecar_image_prefixes)}"
         )
     # With torch_ipc's hostPID a daemon of the operator's uid could read the
     # operator's token through /proc; no daemon gets that uid.
     if spec.sidecar.run_as_user == operator_uid:
-        raise PolicyError(
-            f"spec.sidecar.runAsUser: {operator_uid} is the operator's own uid; choose another"
+        problems.append(
+            f"spec.sidecar.runAsUser: {operator_uid} is the operator's own uid, choose another"
         )
     if not policy.daemon_namespace:
-        raise PolicyError(
+        problems.append(
             f"the operator has no daemon namespace ({POLICY_ENV} daemonNamespace) to run "
             "the cache's daemons in"
         )
     if not policy.setup_image:
-        raise PolicyError(
+        problems.append(
             f"the operator has no setup image ({POLICY_ENV} setupImage) to prepare "
             "spec.socketDir with"
         )
-    return image
+    return problems
 
 
-def _check_placement(spec: WeightCacheSpec, policy: Policy) -> None:
+def _model_violations(spec: WeightCacheSpec, policy: Policy, namespace: str) -> list[str]:
+    sources, whose = policy.model_sources(namespace)
+    problems = []
+    if spec.model.path is not None and not path_within(spec.model.path, sources.model_dirs):
+        allowed = ", ".join(sources.model_dirs) or "none"
+        problems.append(
+            f"spec.model.path: {spec.model.path} is not under a model directory of "
+            f"{whose} model sources in the cluster's cache policy (allowed: {allowed}), "
+            "or use spec.model.pvc"
+        )
+    pvc = spec.model.pvc
+    if pvc is not None and pvc.claim_name not in sources.model_claims:
+        allowed = ", ".join(sources.model_claims) or "none"
+        problems.append(
+            f"spec.model.pvc.claimName: {pvc.claim_name} is not a claim of {whose} model "
+            f"sources in the cluster's cache policy (allowed in the daemon namespace: "
+            f"{allowed})"
+        )
+    return problems
+
+
+def _placement_violations(spec: WeightCacheSpec, policy: Policy) -> list[str]:
+    problems = []
     priority = spec.placement.priority_class_name
     if priority is not None and priority not in policy.allowed_priority_classes:
-        raise PolicyError(
+        problems.append(
             f"spec.placement.priorityClassName: {priority} is not allowed by the cluster's cache "
             f"policy (allowed: {', '.join(policy.allowed_priority_classes) or 'none'})"
         )
@@ -261,11 +322,12 @@ def _check_placement(spec: WeightCacheSpec, policy: Policy) -> None:
         except (TypeError, ValueError):
             toleration = None
         if toleration is None or toleration not in policy.allowed_tolerations:
-            allowed = "; ".join(_describe(t) for t in policy.allowed_tolerations) or "none"
-            raise PolicyError(
+            allowed = ", ".join(_describe(t) for t in policy.allowed_tolerations) or "none"
+            problems.append(
                 f"spec.placement.tolerations[{i}]: {dict(raw)} is not a toleration the cluster's "
                 f"cache policy allows (allowed: {allowed})"
             )
+    return problems
 
 
 def _describe(t: Toleration) -> str:
@@ -273,19 +335,21 @@ def _describe(t: Toleration) -> str:
     return f"{t.key or '<any key>'} {t.operator}{value}:{t.effect or '<any effect>'}"
 
 
-def _check_resources(spec: WeightCacheSpec, policy: Policy) -> None:
+def _resource_violations(spec: WeightCacheSpec, policy: Policy) -> list[str]:
     caps = policy.max_sidecar_resources
+    problems = []
     for kind, quantities in (("requests", spec.sidecar.resources.requests),
                              ("limits", spec.sidecar.resources.limits)):
         for name, value in sorted(quantities.items()):
             where = f"spec.sidecar.resources.{kind}.{name}"
             if name not in caps:
-                raise PolicyError(
+                problems.append(
                     f"{where}: the cluster's cache policy allows no {name} for a daemon "
                     f"(allowed: {', '.join(sorted(caps)) or 'none'})"
                 )
-            if quantity(value) > quantity(caps[name]):
-                raise PolicyError(
+            elif quantity(value) > quantity(caps[name]):
+                problems.append(
                     f"{where}: {value} is over the cluster's cache policy's {caps[name]} per "
                     "daemon container"
                 )
+    return problems

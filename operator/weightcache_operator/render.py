@@ -72,7 +72,7 @@ def render_daemonset(
     DaemonSet when the cache goes.
     """
     try:
-        image = check_spec(spec, policy, operator_uid)
+        image = check_spec(spec, policy, operator_uid, cache.namespace)
     except PolicyError as exc:
         raise PolicyViolation(str(exc)) from None
     # check_spec refuses a policy without either

@@ -23,11 +23,23 @@ is not reused: its daemon's re-adoption key, manifest and sockets would be
 inherited, and with CAP_CHOWN alone root cannot even enter a directory of the
 old uid (a changed runAsUser once wedged the init container on EACCES). It is
 renamed aside (`ROOT/.retired-NAME-<random>`, in the same directory, which
-needs no access to it), a fresh one is made, and retired directories are
-removed: each is handed to root first (CAP_CHOWN), then entered and emptied
-as its owner, never following a symlink. A directory without a record (made
-before records were kept) that already belongs to the daemon's uid and gid is
-kept and recorded, so an upgrade reloads nothing.
+needs no access to it) and a fresh one is made. A directory without a record
+(made before records were kept) that already belongs to the daemon's uid and
+gid is kept and recorded, so an upgrade reloads nothing.
+
+The set-up step never enters a retired directory, nor anything else an engine
+or a daemon could fill: its work is a few system calls whatever the node
+holds. Retired directories are removed apart from any cache's start, by the
+sweeper (`python -m weightcache_operator.socketdir sweep ROOT...`, the chart's
+sweeper DaemonSet, CAP_CHOWN alone), in passes bounded in time and entries:
+each directory is handed to root and made root's 0700 (then nobody else can
+change what is in it), its files are unlinked and each subdirectory is moved
+up to ROOT as a retired directory of its own. No recursion, no path longer
+than one name, never a symlink followed, at most two descriptors held, and
+every pass makes progress however deep a tree an engine nested in `engines/`
+(1,500 levels once crashed every cache's set-up step on the node with
+RecursionError). An entry that cannot be removed is logged and left for the
+next pass; nothing else waits on it.
 
 The CSI node plugin (csi/weightcache_csi) reaches a cache's directory by the
 same walk (`open_root`, `open_cache_dir`) before it bind-mounts it into a pod.
@@ -35,10 +47,15 @@ same walk (`open_root`, `open_cache_dir`) before it bind-mounts it into a pod.
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
+import signal
 import stat
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 MODE = 0o750
 # In ROOT: who each cache directory was made for (root only), and directories set aside.
@@ -103,7 +120,6 @@ def prepare(root: str, name: str, uid: int, gid: int, owner: str = "") -> None:
             _prepare(root_fd, records, root, name, uid, gid, owner, wanted)
         finally:
             os.close(records)
-        _remove_retired(root_fd)
     finally:
         os.close(root_fd)
 
@@ -186,42 +202,238 @@ def _write_record(records: int, name: str, record: str) -> None:
     os.rename(tmp, name, src_dir_fd=records, dst_dir_fd=records)
 
 
-def _remove_retired(root_fd: int) -> None:
-    """Empty and remove the directories set aside (best effort: a failure waits for the
-    next start)."""
-    for entry in os.listdir(root_fd):
-        if entry.startswith(RETIRED_PREFIX):
-            try:
-                _remove_tree(root_fd, entry)
-            except OSError as exc:
-                print(f"weightcache socket directory: cannot remove {entry} yet: {exc}",
-                      file=sys.stderr)
+def is_retired(name: str) -> bool:
+    """Whether an entry of ROOT is a directory set aside (by the set-up step or a sweep)."""
+    return name.startswith(RETIRED_PREFIX) and len(name) > len(RETIRED_PREFIX)
 
 
-def _remove_tree(parent: int, name: str) -> None:
-    """Remove `name` below `parent` with CAP_CHOWN alone: each directory is handed to root
-    (no access needed for that), made root's 0700, entered without following a symlink,
-    emptied and removed. Files and sockets go with their directory's owner's right."""
-    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=parent)
-        return
-    os.chown(name, 0, 0, dir_fd=parent, follow_symlinks=False)
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 dir_fd=parent)
+def moved_name(retired: str, token: str) -> str:
+    """The name in ROOT for a subdirectory moved up out of `retired`: retired itself, with
+    its cache's name kept (so a log says whose it was) and its length bounded however deep
+    the subdirectory was."""
+    cache = retired[len(RETIRED_PREFIX):].rpartition("-")[0] or "x"
+    return f"{RETIRED_PREFIX}{cache}-{token}"
+
+
+@dataclass
+class Budget:
+    """What one sweep may spend: a deadline (monotonic seconds) and a number of entries."""
+
+    deadline: float
+    entries: int
+
+    def spend(self, now: float) -> bool:
+        """Take one entry; False once the entries or the time are spent."""
+        if self.entries <= 0 or now >= self.deadline:
+            return False
+        self.entries -= 1
+        return True
+
+
+@dataclass
+class Sweep:
+    """What a sweep did; `complete` when no retired directory is left."""
+
+    removed: int = 0  # files, sockets, links and directories unlinked
+    moved: int = 0  # subdirectories moved up to ROOT
+    failures: list[str] = field(default_factory=list)  # the first MAX_FAILURES, "name: error"
+    failed: int = 0
+    complete: bool = False
+
+    def fail(self, name: str, exc: OSError) -> None:
+        self.failed += 1
+        if len(self.failures) < MAX_FAILURES:
+            self.failures.append(f"{name}: {exc.strerror or exc}")
+
+    def summary(self) -> str:
+        text = f"removed {self.removed} entries, moved {self.moved} directories up"
+        if self.failed:
+            text += f"; {self.failed} could not be removed: " + "; ".join(self.failures)
+        return text + ("" if self.complete else "; more left for the next pass")
+
+
+MAX_FAILURES = 20
+
+
+def sweep(root_fd: int, budget: Budget, clock: Callable[[], float] = time.monotonic) -> Sweep:
+    """Remove retired directories below `root_fd` (ROOT, already checked by `open_root`)
+    until none is left or `budget` is spent; an entry that cannot be removed is counted in
+    the result and skipped until the next sweep."""
+    result = Sweep()
+    skipped: set[str] = set()
+    while True:
+        found = False
+        # Subdirectories moved up during this scan may or may not show in it: the next
+        # scan takes them.
+        with os.scandir(root_fd) as entries:
+            for entry in entries:
+                if not is_retired(entry.name) or entry.name in skipped:
+                    continue
+                found = True
+                if not budget.spend(clock()):
+                    return result
+                if not _clear(root_fd, entry.name, budget, result, clock):
+                    skipped.add(entry.name)
+        if not found:
+            result.complete = not skipped
+            return result
+
+
+def _clear(root_fd: int, name: str, budget: Budget, result: Sweep,
+           clock: Callable[[], float]) -> bool:
+    """Empty and remove one retired directory; False if something in it stays (failed, or
+    the budget ran out)."""
     try:
-        os.fchmod(fd, 0o700)
-        for entry in os.listdir(fd):
-            _remove_tree(fd, entry)
+        fd = _take(root_fd, name)
+    except NotADirectoryError:
+        return _unlink(root_fd, name, name, result)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        result.fail(name, exc)
+        return False
+    kept = False
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if not budget.spend(clock()):
+                    return False
+                where = f"{name}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    kept |= not _move_up(fd, entry.name, root_fd, moved_name(name, _token()),
+                                         where, result)
+                else:
+                    kept |= not _unlink(fd, entry.name, where, result)
     finally:
         os.close(fd)
-    os.rmdir(name, dir_fd=parent)
+    if kept:
+        return False
+    try:
+        os.rmdir(name, dir_fd=root_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        result.fail(name, exc)
+        return False
+    result.removed += 1
+    return True
+
+
+def _take(parent: int, name: str) -> int:
+    """Make directory `name` below `parent` root's, mode 0700, without following a symlink,
+    and open it for reading. With CAP_CHOWN alone: the owner may chmod, and once root owns
+    it with 0700 nobody else may add, remove or rename anything in it. `parent` is ROOT or
+    a directory already taken, so nobody can swap `name` for something else meanwhile."""
+    os.chown(name, 0, 0, dir_fd=parent, follow_symlinks=False)
+    handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC,
+                     dir_fd=parent)
+    try:
+        # fchmod refuses an O_PATH descriptor; its /proc link reaches the same inode.
+        os.chmod(f"/proc/self/fd/{handle}", 0o700)
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=handle)
+    finally:
+        os.close(handle)
+
+
+def _move_up(parent: int, name: str, root_fd: int, new_name: str, where: str,
+             result: Sweep) -> bool:
+    """Move directory `name` out of `parent` into ROOT as `new_name`: a later turn empties
+    it, and no walk ever goes deeper than one level. Moving a directory needs write access
+    to it (its `..` changes): it is taken first."""
+    try:
+        os.close(_take(parent, name))
+        os.rename(name, new_name, src_dir_fd=parent, dst_dir_fd=root_fd)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        result.fail(where, exc)
+        return False
+    result.moved += 1
+    return True
+
+
+def _unlink(parent: int, name: str, where: str, result: Sweep) -> bool:
+    try:
+        os.unlink(name, dir_fd=parent)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        result.fail(where, exc)
+        return False
+    result.removed += 1
+    return True
+
+
+def _token() -> str:
+    return secrets.token_hex(8)
+
+
+# One pass every minute, of at most 10 s and 100,000 entries: a flood of retired
+# entries costs the sweeper a sixth of a core at most and never anyone's start.
+SWEEP_EVERY = 60.0
+SWEEP_SECONDS = 10.0
+SWEEP_ENTRIES = 100_000
+
+
+def sweep_roots(roots: list[str], seconds: float = SWEEP_SECONDS,
+                entries: int = SWEEP_ENTRIES) -> bool:
+    """One pass over each root, each with its own budget; logs what it did or could not do.
+    True when every root was swept clean."""
+    clean = True
+    for root in roots:
+        try:
+            root_fd = open_root(root)
+        except (SetupError, OSError) as exc:
+            print(f"weightcache sweeper: {root}: {exc}", file=sys.stderr, flush=True)
+            clean = False
+            continue
+        try:
+            result = sweep(root_fd, Budget(time.monotonic() + seconds, entries))
+        except OSError as exc:  # ROOT itself unreadable: the next pass tries again
+            print(f"weightcache sweeper: {root}: {exc}", file=sys.stderr, flush=True)
+            clean = False
+            continue
+        finally:
+            os.close(root_fd)
+        if result.removed or result.moved or not result.complete:
+            print(f"weightcache sweeper: {root}: {result.summary()}", file=sys.stderr,
+                  flush=True)
+        clean &= result.complete
+    return clean
+
+
+def _sweep_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m weightcache_operator.socketdir sweep",
+        description="Remove the socket roots' retired directories, in bounded passes.")
+    parser.add_argument("roots", nargs="+", metavar="ROOT")
+    parser.add_argument("--every", type=float, default=SWEEP_EVERY,
+                        help="seconds between passes; 0: one pass, then exit (1 if "
+                             "anything is left)")
+    parser.add_argument("--seconds", type=float, default=SWEEP_SECONDS,
+                        help="the most one pass over a root may take")
+    parser.add_argument("--entries", type=int, default=SWEEP_ENTRIES,
+                        help="the most entries one pass over a root may remove")
+    args = parser.parse_args(argv)
+    if args.every <= 0:
+        return 0 if sweep_roots(args.roots, args.seconds, args.entries) else 1
+    # PID 1 of a container ignores SIGTERM unless it handles it: end at once, between two
+    # system calls (an interrupted pass leaves nothing half done that the next cannot take).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"weightcache sweeper: every {args.every:g} s: {', '.join(args.roots)}",
+          file=sys.stderr, flush=True)
+    while True:
+        sweep_roots(args.roots, args.seconds, args.entries)
+        time.sleep(args.every)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["sweep"]:
+        return _sweep_main(args[1:])
     if len(args) not in (4, 5) or not args[2].isdigit() or not args[3].isdigit():
-        print("usage: python -m weightcache_operator.socketdir ROOT NAME UID GID [OWNER]",
+        print("usage: python -m weightcache_operator.socketdir ROOT NAME UID GID [OWNER]\n"
+              "       python -m weightcache_operator.socketdir sweep [--every S] ROOT...",
               file=sys.stderr)
         return 2
     root, name, uid, gid = args[0], args[1], int(args[2]), int(args[3])

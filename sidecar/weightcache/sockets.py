@@ -12,6 +12,7 @@ both publish a listener only once it has its final mode
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -34,6 +35,9 @@ SOCKET_MODE = 0o660
 SOCKET_DIR_MODE = 0o750
 # Engines' hand-back sockets, beside the daemon's socket.
 ENGINES_DIR = "engines"
+# The most entries a daemon reads from a directory others may write (engines/): a start
+# costs the same however many an engine made.
+MAX_LISTED = 4096
 
 
 @dataclass(frozen=True)
@@ -123,14 +127,17 @@ def listen_unix(path: str, backlog: int) -> socket.socket:
     return listener
 
 
-def socket_files(directory: str) -> list[str]:
-    """The ``*.sock`` sockets in ``directory``, by name; symlinks and other files are skipped."""
+def socket_files(directory: str, limit: int = MAX_LISTED) -> list[str]:
+    """The ``*.sock`` sockets among the first ``limit`` entries of ``directory``, by name;
+    symlinks and other files are skipped, nothing below is read."""
     try:
         fd = os.open(directory, DIR_FLAGS)
     except FileNotFoundError:
         return []
     try:
-        names = sorted(n for n in os.listdir(fd) if n.endswith(".sock"))
+        with os.scandir(fd) as entries:
+            names = sorted(e.name for e in itertools.islice(entries, limit)
+                           if e.name.endswith(".sock"))
         return [os.path.join(directory, n) for n in names if _is_socket(n, fd)]
     finally:
         os.close(fd)

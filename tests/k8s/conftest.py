@@ -70,14 +70,31 @@ def real_cluster(
 ) -> Iterator[Cluster]:
     """A control plane with one kwok node and the real node `.real_node_name`."""
     interrupt_on_termination()
+    base = tmp_path_factory.mktemp("realnode")
+    # The image store too is reached through a symlink.
+    (base / "cache").symlink_to(images.cache_dir())
     spec = NodeSpec(
         pause_image=node_images.refs["pause"],
         load_images=node_images.loader(),
-        store_cache=images.cache_dir(),
+        store_cache=base / "cache",
     )
     binaries = assets.ensure_binaries()
-    with Cluster(tmp_path_factory.mktemp("realnode"), binaries, node_count=1, real_node=spec) as c:
+    with Cluster(long_symlinked_dir(base) / "plane", binaries, node_count=1,
+                 real_node=spec) as c:
         yield c
+
+
+def long_symlinked_dir(base: Path) -> Path:
+    """A directory as a user's HOME may be: a long path, reached through a symlink. Every
+    real-node test runs its node from one (issue 34: a long HOME made kubelet's CSI
+    registration socket 108 bytes, one reached through a symlink broke Bidirectional mount
+    propagation and left the containers' mounts behind at teardown)."""
+    real = base / "real"
+    real.mkdir()
+    (base / "home").symlink_to(real)
+    long = base / "home" / ("a-long-home-directory-" + "x" * 100)
+    long.mkdir()
+    return long
 
 
 @pytest.fixture(scope="session")

@@ -91,14 +91,21 @@ def minilm_tensor_bytes() -> int:
     return total
 
 
+# A namespace the tests' cache policy gives model sources of its own (none of MiniLM's).
+SCOPED_NAMESPACE = "wc-scoped-models"
+SCOPED_MODEL_DIR = "/srv/scoped-models"
+
+
 def operator_policy(daemon_namespace: str) -> dict[str, Any]:
-    """The cache policy the tests' operators run with: the chart's defaults plus MiniLM."""
+    """The cache policy the tests' operators run with: the chart's defaults plus MiniLM,
+    and SCOPED_NAMESPACE's own model directory."""
     return {
         "setupImage": "localhost/weightcache-operator:test",
         "sidecarImage": "localhost/weightcache-sidecar:test",
         "daemonServiceAccount": DAEMON_SA,
         "daemonNamespace": daemon_namespace,
         "allowedHostPaths": {"socketDirs": [SOCKET_ROOT], "modelDirs": [str(minilm_dir())]},
+        "namespaceModelSources": {SCOPED_NAMESPACE: {"modelDirs": [SCOPED_MODEL_DIR]}},
         "allowedTransports": ["auto", "vmm_fd", "memfd"],
     }
 

@@ -230,6 +230,7 @@ def installed(cluster: Cluster, api: Api, refs: dict[str, str], work: Path,
         # (tests/k8s/test_real_csi.py runs those).
         "webhook": {"enabled": False},
         "csi": {"enabled": False},
+        "sweeper": {"nodeSelector": {"kubernetes.io/hostname": cluster.real_node_name}},
         # The cache policy admits exactly this run's socket root and the checkpoint's directory.
         "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(root)],
                                              "modelDirs": [str(minilm_dir())]}},

@@ -15,6 +15,8 @@ import pytest
 from tests.k8s.conftest import OPERATOR_SA
 from tests.k8s.operator_flow import (
     CPU_REPORT,
+    SCOPED_MODEL_DIR,
+    SCOPED_NAMESPACE,
     SOCKET_ROOT,
     Api,
     OperatorProcess,
@@ -24,6 +26,7 @@ from tests.k8s.operator_flow import (
     gate_of,
     install_crd,
     is_ready,
+    minilm_dir,
     minilm_tensor_bytes,
     reports_of,
     template_spec_hash,
@@ -391,3 +394,36 @@ def test_policy_violation_is_refused_naming_the_field_until_fixed(
     eventually("the DaemonSet appears once the spec is fixed",
                lambda: api.daemonset(ns, name))
     scene.status_where("the error clears", lambda s: s.get("phase") in ("Loading", "Pending"))
+
+
+def test_a_namespace_loads_only_its_own_model_sources(
+    cluster: Cluster, api: Api, operator: OperatorProcess
+) -> None:
+    """Issue 34 item 2, without the chart's admission policy: a namespace the cache policy
+    lists may load only its own model sources, even from a directory every unlisted
+    namespace may use; the operator renders nothing for it, naming why."""
+    ns, name = SCOPED_NAMESPACE, "thief"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        cache = weightcache(ns, name, cluster.node_names[0])  # MiniLM: the default's
+        apply(cluster, cache)
+
+        def refused() -> dict | None:
+            status = api.status(ns, name)
+            return status if status.get("phase") == "Error" else None
+
+        status = eventually("the cache reports the refusal", refused)
+        assert condition(status, "Degraded") == ("True", "PolicyViolation")
+        message = next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+        assert message.startswith(f"spec.model.path: {minilm_dir()} is not under a model "
+                                  f"directory of namespace {ns}'s model sources"), message
+        assert SCOPED_MODEL_DIR in message
+        assert api.daemonset(ns, name) is None
+        cache["spec"]["model"]["path"] = f"{SCOPED_MODEL_DIR}/minilm"
+        apply(cluster, cache)
+        eventually("its own model directory is rendered", lambda: api.daemonset(ns, name))
+        operator.check_running()
+    finally:
+        cluster.kubectl("delete", "wc", "-n", ns, name, "--ignore-not-found", "--timeout=60s",
+                        check=False)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -10,12 +10,21 @@ Go module proxy here (tools/testenv/README.md). The engine namespace enforces
 Pod Security `restricted`; the engine Deployment carries the label
 `weightcache.dev/cache: minilm`, its image and command, and what `restricted`
 demands of any pod. The tests of this module run in order on one installation.
+
+A tenant (a restricted namespace of its own, with `edit` there and
+WeightCaches) attacks it: the cache policy lists each namespace's model
+sources (the tenant's a copy of the checkpoint in a directory of its own), and
+the sweeper runs one pass when its pod starts (then once a day), so a test
+decides when it sweeps.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -44,6 +53,19 @@ RELEASE = "wc"
 SYSTEM_NS = "weightcache-system"
 ROLLS = 1
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
+TENANT = f"tenant-{uuid.uuid4().hex[:6]}"
+NESTED = 1500
+# An engine of the tenant's own cache, in its daemon's group as designed, nesting
+# directories in the engines' directory of that cache.
+NEST = f"""
+import os
+os.chdir(os.path.join(os.environ["WEIGHTCACHE_SOCKET_DIR"], os.environ["WEIGHTCACHE_CACHE"],
+                      "engines"))
+for _ in range({NESTED}):
+    os.mkdir("d")
+    os.chdir("d")
+print("nested", {NESTED}, flush=True)
+"""
 
 
 def namespace(cluster: Cluster, name: str, labels: dict[str, str]) -> None:
@@ -86,11 +108,30 @@ def registered(cluster: Cluster, node: str) -> bool:
 
 
 @pytest.fixture(scope="module")
+def tenant_models() -> Iterator[Path]:
+    """The tenant's own model directory: the checkpoint's files linked into it."""
+    root = Path(tempfile.mkdtemp(prefix="wc-models-", dir="/tmp"))
+    model = root / "minilm"
+    model.mkdir()
+    for path in (root, model):
+        path.chmod(0o755)
+    for file in minilm_dir().iterdir():
+        if file.is_file():
+            try:
+                os.link(file, model / file.name)
+            except OSError:
+                shutil.copy2(file, model / file.name)
+    yield model
+    shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
 def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.ImageSet,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+          tmp_path_factory: pytest.TempPathFactory, tenant_models: Path) -> Iterator[Stack]:
     assert real_cluster.node is not None and real_cluster.node.layout is not None
     ns = f"restricted-{uuid.uuid4().hex[:6]}"
     namespace(real_cluster, ns, RESTRICTED)
+    namespace(real_cluster, TENANT, RESTRICTED)
     namespace(real_cluster, SYSTEM_NS, {"pod-security.kubernetes.io/enforce": "privileged"})
     socket_root = Path(tempfile.mkdtemp(prefix="wc-sockets-", dir="/tmp"))
     stack = Stack(real_cluster, Api(real_api), ns, socket_root, node_images.refs)
@@ -107,8 +148,12 @@ def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.Im
                 "registrar": {"image": {"repository": operator_repo, "tag": operator_tag,
                                         "pullPolicy": "Never"},
                               "command": ["python", "-m", "weightcache_csi", "register"]}},
-        "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(socket_root)],
-                                             "modelDirs": [str(minilm_dir())]}},
+        # Each namespace its own model sources; any other, none.
+        "cachePolicy": {"allowedHostPaths": {"socketDirs": [str(socket_root)], "modelDirs": []},
+                        "namespaceModelSources": {
+                            ns: {"modelDirs": [str(minilm_dir())]},
+                            TENANT: {"modelDirs": [str(tenant_models.parent)]}}},
+        "sweeper": {"intervalSeconds": 86400, "nodeSelector": node},
     }))
     chart = Path(__file__).resolve().parents[2] / "charts" / "weightcache-operator"
     try:
@@ -141,14 +186,18 @@ def stack(real_cluster: Cluster, real_api: k8s.ApiClient, node_images: images.Im
             eventually("the engine pods are gone", lambda: not stack.api.core
                        .list_namespaced_pod(ns).items, bound=180)
         finally:
-            real_cluster.kubectl("delete", "wc", "-n", ns, CACHE, "--ignore-not-found",
-                                 "--wait=true", "--timeout=100s", check=False)
+            for cache_ns in (ns, TENANT):
+                real_cluster.kubectl("delete", "wc", "-n", cache_ns, "--all", "--wait=true",
+                                     "--timeout=100s", check=False)
             real_cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait",
                               check=False)
             # Waited for: the next module installs the chart into the same system
             # namespace, which helm refuses while it is still terminating.
-            real_cluster.kubectl("delete", "namespace", ns, SYSTEM_NS, "--wait=true",
+            real_cluster.kubectl("delete", "namespace", ns, TENANT, SYSTEM_NS, "--wait=true",
                                  "--timeout=120s", "--ignore-not-found", check=False)
+            # Whatever a test left retired (too deep for rmtree): swept as the sweeper does.
+            subprocess.run([sys.executable, "-m", "weightcache_operator.socketdir", "sweep",
+                            "--every", "0", str(socket_root)], check=False)
             shutil.rmtree(socket_root, ignore_errors=True)
 
 
@@ -269,6 +318,143 @@ def test_a_plugin_restart_leaves_serving_engines_alone_and_new_pods_mount(
     new = eventually("a new engine pod mounts and attaches",
                      lambda: stack.ready_engine("after-plugin-restart"), bound=300)
     assert attached(stack, new)["bit_equal"] is True
+
+
+def dry_run(stack: Stack, doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """The object as the API server would admit it (webhooks and admission policies run)."""
+    return stack.cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                 input=json.dumps(doc), check=False)
+
+
+def test_a_labelled_pod_is_injected_or_refused_whatever_other_labels_it_has(
+    stack: Stack,
+) -> None:
+    """Issue 34 item 3: `weightcache.dev/cache` plus the operator's `managed-by` label skipped
+    the webhook, and the pod was admitted bare: no gate, volume or group."""
+    image = stack.refs["minilm-engine"]
+    managed = restricted_pod(stack.namespace, "managed-by-operator", image, stack.node,
+                             labels={names.CACHE_LABEL: CACHE,
+                                     names.MANAGED_BY_LABEL: names.MANAGER})
+    result = dry_run(stack, managed)
+    assert result.returncode == 0, result.stderr
+    spec = json.loads(result.stdout)["spec"]
+    assert [g["conditionType"] for g in spec["readinessGates"]] == [names.GATE_CONDITION]
+    assert [v["csi"]["driver"] for v in spec["volumes"] if v["name"] == inject.VOLUME] == [
+        "weightcache.dev"]
+    assert stack.daemon_gid() in spec["securityContext"]["supplementalGroups"]
+    # Both daemon labels: the webhook leaves it alone (the DaemonSet controller must never
+    # wait on the operator), and the daemon-pod guard admits it nowhere but the daemon
+    # namespace, from the DaemonSet controller alone.
+    labels = {names.CACHE_LABEL: CACHE, names.MANAGED_BY_LABEL: names.MANAGER,
+              names.COMPONENT_LABEL: names.DAEMON_COMPONENT}
+    posing = dry_run(stack, restricted_pod(stack.namespace, "posing", image, stack.node,
+                                           labels=labels))
+    assert posing.returncode != 0
+    assert "runs only in the daemon namespace" in posing.stderr, posing.stderr
+    # Nor through a DaemonSet of the tenant's own, whose pods the controller creates.
+    template = restricted_pod(stack.namespace, "posing", image, stack.node, labels=labels)
+    daemonset = {"apiVersion": "apps/v1", "kind": "DaemonSet",
+                 "metadata": {"name": "posing", "namespace": stack.namespace},
+                 "spec": {"selector": {"matchLabels": labels},
+                          "template": {"metadata": {"labels": labels},
+                                       "spec": template["spec"]}}}
+    stack.cluster.kubectl("create", "-f", "-", input=json.dumps(daemonset))
+    try:
+        event = eventually("the DaemonSet controller's creation is refused", lambda: [
+            e for e in stack.api.events(stack.namespace, "posing", "FailedCreate")
+            if "runs only in the daemon namespace" in (e.message or "")])
+        assert stack.namespace in event[0].message
+        assert not stack.api.core.list_namespaced_pod(
+            stack.namespace, label_selector=f"{names.COMPONENT_LABEL}=daemon").items
+    finally:
+        stack.kubectl("delete", "daemonset", "-n", stack.namespace, "posing", "--wait=false")
+
+
+def tenant_cache(stack: Stack, name: str, model: Path, **sidecar: Any) -> dict[str, Any]:
+    doc = weightcache(stack, sidecar)
+    doc["metadata"] = {"name": name, "namespace": TENANT}
+    doc["spec"]["model"]["path"] = str(model)
+    doc["spec"]["engine"]["selector"] = {"matchLabels": {"app": name}}
+    return doc
+
+
+def test_a_tenant_cannot_load_another_namespaces_model(stack: Stack, tenant_models: Path
+                                                       ) -> None:
+    """Issue 34 item 2: model directories were cluster-wide; a tenant pointed its cache at
+    the victim's model directory, and its own labelled engine mapped the victim's weights
+    bit for bit, with no access to the victim's namespace."""
+    victims = minilm_dir()
+    thief = tenant_cache(stack, "thief", victims)
+    refused = stack.cluster.kubectl("apply", "-f", "-", input=json.dumps(thief), check=False)
+    assert refused.returncode != 0
+    assert (f"spec.model.path: {victims} is not under a model directory of namespace "
+            f"{TENANT}'s model sources (allowed: {tenant_models.parent})") in refused.stderr, (
+        refused.stderr)
+    assert stack.api.cache(TENANT, "thief") is None
+    # Its own model directory is the tenant's to use.
+    own = dry_run(stack, tenant_cache(stack, "thief", tenant_models))
+    assert own.returncode == 0, own.stderr
+
+
+def test_a_tenants_nested_directories_stop_no_daemon_and_are_swept(
+    stack: Stack, tenant_models: Path
+) -> None:
+    """Issue 34 item 1: a tenant's engine nested 1,500 directories in its cache's engines/,
+    then changed the cache's runAsUser, retiring the directory. Every cache's set-up step
+    removed retired directories, recursing once per level: each daemon of the node that
+    restarted then stayed in Init:CrashLoopBackOff (its cache Loading, its engines out of
+    service) until an admin removed the tree by hand."""
+    stack.steady()
+    stack.apply(tenant_cache(stack, "squatter", tenant_models))
+    eventually("the tenant's daemon ready", lambda: [
+        p for p in stack.api.daemon_pods(TENANT, "squatter") if is_ready(p)], bound=300)
+    nester = restricted_pod(TENANT, "nester", stack.refs["minilm-engine"], stack.node,
+                            labels={names.CACHE_LABEL: "squatter"})
+    nester["spec"]["restartPolicy"] = "Never"
+    nester["spec"]["containers"][0]["command"] = ["python", "-c", NEST]
+    stack.cluster.kubectl("create", "-f", "-", input=json.dumps(nester))
+    done = eventually("the nester finished", lambda: (lambda p: p.status.phase in (
+        "Succeeded", "Failed") and p)(stack.api.core.read_namespaced_pod("nester", TENANT)),
+        bound=180)
+    assert done.status.phase == "Succeeded", stack.kubectl("logs", "-n", TENANT, "nester")
+    assert f"nested {NESTED}" in stack.kubectl("logs", "-n", TENANT, "nester")
+    stack.kubectl("delete", "pod", "-n", TENANT, "nester", "--wait=true")
+
+    # The tenant gives its daemons another uid: its directory is set aside, tree and all.
+    stack.kubectl("patch", "wc", "-n", TENANT, "squatter", "--type=merge", "-p", json.dumps(
+        {"spec": {"sidecar": {"runAsUser": 4343, "runAsGroup": 4343}}}))
+    eventually("the tenant's daemon ready under its new uid", lambda: [
+        p for p in stack.api.daemon_pods(TENANT, "squatter") if is_ready(p)
+        and p.spec.security_context.run_as_user == 4343], bound=300)
+    retired = [p for p in stack.socket_root.iterdir()
+               if p.name.startswith(f".retired-{TENANT}.squatter-")]
+    assert len(retired) == 1 and (retired[0] / "engines" / "d").is_dir(), retired
+
+    # The victim's daemon restarts (an OOM kill, an eviction, a reboot, a rollout): Ready.
+    old = stack.daemon_pod()
+    assert old is not None
+    stack.kubectl("delete", "pod", "-n", SYSTEM_NS, old.metadata.name, "--wait=false")
+    try:
+        eventually("the victim's daemon Ready again", lambda: (lambda p: p and p.metadata.uid
+                   != old.metadata.uid and is_ready(p) and p)(stack.daemon_pod()), bound=300)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{stack.diagnose()}") from None
+    stack.steady()
+    assert retired[0].exists()  # nobody's start touched it
+
+    # The sweeper removes it apart from any start: one pass when its pod starts.
+    sweeper = stack.api.core.list_namespaced_pod(
+        SYSTEM_NS, label_selector="app.kubernetes.io/component=sweeper").items
+    assert len(sweeper) == 1
+    stack.kubectl("delete", "pod", "-n", SYSTEM_NS, sweeper[0].metadata.name, "--wait=false")
+    eventually("the sweeper removed the tree", lambda: not [
+        p for p in stack.socket_root.iterdir() if p.name.startswith(".retired-")], bound=180)
+    (swept,) = [p for p in stack.api.core.list_namespaced_pod(
+        SYSTEM_NS, label_selector="app.kubernetes.io/component=sweeper").items
+        if p.metadata.uid != sweeper[0].metadata.uid]
+    log = stack.kubectl("logs", "-n", SYSTEM_NS, swept.metadata.name)
+    assert "removed" in log and "could not be removed" not in log, log
+    stack.kubectl("delete", "wc", "-n", TENANT, "squatter", "--wait=true", "--timeout=120s")
 
 
 def test_deleting_the_cache_removes_its_daemonset_label_and_gates(stack: Stack) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,9 +18,10 @@ from typing import Any
 
 from kubernetes import client as k8s
 
+from tests.k8s.conftest import long_symlinked_dir
 from tests.k8s.operator_flow import eventually
 from tests.k8s.realstack import tenant_pod
-from tools.testenv import cgroups, images, nodeclean, nodeconfig
+from tools.testenv import assets, cgroups, images, nodeclean, nodeconfig
 from tools.testenv.assets import K8S_VERSION
 from tools.testenv.cluster import Cluster
 
@@ -136,8 +137,11 @@ time.sleep(3600)
 """
 
 
-def leftovers(layout: nodeconfig.Layout, sysctls_before: dict[str, str]) -> list[str]:
-    """Everything of the node still on this machine (empty after a complete teardown)."""
+def leftovers(layout: nodeconfig.Layout, sysctls_before: dict[str, str],
+              *more: Path) -> list[str]:
+    """Everything of the node still on this machine (empty after a complete teardown).
+    Mounts are counted below the resolved paths of the node's directories and of `more`,
+    as the kernel names them, whatever the node's own record says."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -154,8 +158,8 @@ def leftovers(layout: nodeconfig.Layout, sysctls_before: dict[str, str]) -> list
             continue
         if layout.run in cmdline or layout.cgroup in cgroup:
             found.append(f"process {entry.name}: {cmdline[:120]}")
-    found += [f"mount {m}" for m in nodeclean.mounts_under(layout.run, layout.store,
-                                                           layout.socket_root)]
+    dirs = (layout.run, layout.store, layout.sockets, layout.socket_root, *map(str, more))
+    found += [f"mount {m}" for m in nodeclean.mounts_under(*map(os.path.realpath, dirs))]
     if Path(layout.socket_root).exists():
         found.append(f"socket root {layout.socket_root}")
     found += [f"cgroup {h / layout.cgroup}" for h in cgroups.hierarchies()
@@ -185,11 +189,11 @@ def sysctls() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def owner_of_a_node(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], nodeconfig.Layout]]:
+def owner_of_a_node(plane: Path) -> Iterator[tuple[subprocess.Popen[bytes], nodeconfig.Layout]]:
     """A process that starts a control plane with a real node and keeps it; killed at the end
     if the test has not ended it."""
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(tmp_path / "plane"), json.dumps(SLEEPER)],
+        [sys.executable, "-c", OWNER, str(plane), json.dumps(SLEEPER)],
         stdout=subprocess.PIPE, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     try:
@@ -203,23 +207,65 @@ def owner_of_a_node(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], n
             owner.wait()
 
 
-def test_stop_leaves_no_process_mount_namespace_cgroup_or_container(tmp_path: Path) -> None:
+def test_up_and_down_from_a_long_symlinked_home_leave_no_mount_nor_anything(
+    tmp_path: Path, node_images: images.ImageSet
+) -> None:
+    """Issue 34 item 5: `python -m tools.testenv up --real-node` and `down` as a user runs
+    them, from a HOME that is long and reached through a symlink. Once, `down` left 26
+    mounts (containers' root filesystems included): teardown looked for them by the
+    symlinked path, and the kernel names resolved ones. The umask is one a shell once had
+    (0117): the node and its images must not inherit it."""
+    home = long_symlinked_dir(tmp_path)
+    cache = home / ".cache" / "weightcache" / "testenv"
+    cache.mkdir(parents=True)
+    # The built binaries and images, reached through links (building them again takes
+    # minutes); the run itself, its state and the node's store slot live under the HOME.
+    binaries = assets.ensure_binaries()
+    (cache / "images").symlink_to(images.cache_dir())
+    (cache / assets.pin_key()).symlink_to(assets.pinned_bin_dir().parent)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XDG_CACHE_HOME", "WEIGHTCACHE_TESTENV_CACHE")}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO_ROOT))
+    name = f"home-{os.getpid()}"
+
+    def testenv(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tools.testenv", *args, f"--name={name}"],
+                              env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=600, umask=0o117)
+
     before = sysctls()
-    with owner_of_a_node(tmp_path) as (owner, layout):
-        assert leftovers(layout, before), "the node should be running now"
-        # SIGTERM: the owner's own teardown runs (as at the end of a pytest session).
-        owner.send_signal(signal.SIGTERM)
-        owner.wait(timeout=120)
-    assert leftovers(layout, before) == []
+    up = testenv("up", "--real-node", "--images=pause,python")
+    state = cache / "runs" / name / "cluster" / "node" / "node.json"
+    try:
+        assert up.returncode == 0, up.stderr[-4000:]
+        layout = nodeconfig.Layout(**json.loads(state.read_text())["layout"])
+        assert layout.run == os.path.realpath(layout.run)
+        # kubelet's root is short whatever the HOME: the longest socket it dials fits.
+        registration = layout.kubelet_root / "plugins_registry" / "weightcache.dev-reg.sock"
+        assert len(str(registration).encode()) <= 107
+        kubeconfig = shlex.split(up.stdout.splitlines()[0].removeprefix("export "))[0]
+        kubectl = [str(binaries["kubectl"]), kubeconfig.replace("KUBECONFIG=", "--kubeconfig=")]
+        pod = json.dumps(SLEEPER).replace("IMAGE", node_images.refs["python"])
+        subprocess.run([*kubectl, "apply", "-f", "-"], input=pod, text=True, check=True,
+                       capture_output=True)
+        subprocess.run([*kubectl, "wait", "--for=condition=Ready", "pod/sleeper",
+                        "--timeout=180s"], check=True, capture_output=True)
+        running = leftovers(layout, before, home)
+        assert [m for m in running if m.startswith("mount ")], "the node should be running now"
+    finally:
+        down = testenv("down")
+    assert down.returncode == 0, down.stderr[-4000:]
+    assert leftovers(layout, before, home) == []
     assert nodeclean.stored_containers(layout) == []
 
 
 def test_a_sigkilled_owner_is_cleaned_up_by_the_guard(tmp_path: Path) -> None:
     before = sysctls()
-    with owner_of_a_node(tmp_path) as (owner, layout):
+    plane = long_symlinked_dir(tmp_path) / "plane"
+    with owner_of_a_node(plane) as (owner, layout):
         owner.kill()  # no atexit, no signal handler, no fixture teardown
         owner.wait()
-    eventually("the guard tears the node down", lambda: not leftovers(layout, before) or None,
-               bound=180)
-    assert leftovers(layout, before) == []
+    eventually("the guard tears the node down",
+               lambda: not leftovers(layout, before, plane) or None, bound=180)
+    assert leftovers(layout, before, plane) == []
     assert nodeclean.stored_containers(layout) == []

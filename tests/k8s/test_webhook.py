@@ -139,9 +139,9 @@ def test_a_labelled_pod_gets_what_it_needs_and_is_gated(scene: Scene, api: Api) 
 def test_every_pod_the_webhook_is_sent_is_injected_or_refused_never_passed(
     scene: Scene, api: Api
 ) -> None:
-    """The configuration sends labelled pods whose `managed-by` is anything but the
-    operator's (Helm charts label their pods `managed-by: Helm`): each is injected, and one
-    naming a missing cache refused, never admitted as it came."""
+    """The configuration sends every labelled pod but those with both daemon labels (Helm
+    charts label their pods `managed-by: Helm`): each is injected, and one naming a missing
+    cache refused, never admitted as it came."""
     ns, name = scene.namespace, scene.name
     scene.apply_cache()
     helm_pod = labelled_pod(ns, "from-helm", name, scene.node)
@@ -152,6 +152,21 @@ def test_every_pod_the_webhook_is_sent_is_injected_or_refused_never_passed(
     missing = labelled_pod(ns, "from-helm-missing", "no-such-cache", scene.node)
     missing["metadata"]["labels"][names.MANAGED_BY_LABEL] = "Helm"
     assert refused(api, missing).status == 403
+    # Issue 34 item 3: the operator's own `managed-by` once skipped the webhook altogether.
+    # One daemon label alone exempts nothing: only both (guarded by the chart's daemon-pod
+    # guard, tests/k8s/test_real_csi.py).
+    for extra in ({names.MANAGED_BY_LABEL: names.MANAGER},
+                  {names.COMPONENT_LABEL: names.DAEMON_COMPONENT}):
+        posing = labelled_pod(ns, f"posing-{len(extra)}-{next(iter(extra.values()))}", name,
+                              scene.node)
+        posing["metadata"]["labels"].update(extra)
+        pod = create(api, posing)
+        assert [g.condition_type for g in pod.spec.readiness_gates or []] == [
+            names.GATE_CONDITION], extra
+        assert [v.name for v in pod.spec.volumes if v.name == inject.VOLUME] == [inject.VOLUME]
+        posing["metadata"]["name"] += "-missing"
+        posing["metadata"]["labels"][names.CACHE_LABEL] = "no-such-cache"
+        assert refused(api, posing).status == 403
 
 
 def test_a_pod_naming_a_missing_cache_or_another_namespaces_is_refused(

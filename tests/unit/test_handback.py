@@ -223,6 +223,29 @@ def test_only_socket_files_count_as_engines(server, socket_dir, tmp_path) -> Non
     assert engine_sockets(str(socket_dir / "gpu-A.sock")) == [server.path]
 
 
+def test_engines_may_leave_only_sockets_and_a_start_reads_nothing_below(
+    server, socket_dir, caplog
+) -> None:
+    """Issue 34: an engine of the daemon's group nested directories in engines/ that a
+    start later walked. A starting daemon removes what is not a socket where it can, keeps
+    a directory that is not empty (it may not enter another uid's) untouched, and logs."""
+    daemon_socket = str(socket_dir / "gpu-A.sock")
+    directory = Path(engines_dir(daemon_socket))
+    (directory / "junk").write_text("x")
+    (directory / "link").symlink_to("/etc")
+    (directory / "empty").mkdir()
+    (directory / "tree" / "a" / "b").mkdir(parents=True)
+    (directory / "tree" / "a" / "b" / "leaf").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="weightcache.daemon.readopt"):
+        prepare_engines_dir(daemon_socket)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [os.path.basename(server.path), "tree"])
+    assert (directory / "tree" / "a" / "b" / "leaf").read_text() == "x"
+    assert "removed 3 entries that are not hand-back sockets" in caplog.text
+    assert "kept 1 it cannot remove (e.g. 'tree')" in caplog.text
+    assert engine_sockets(daemon_socket) == [server.path]
+
+
 # --------------------------------------------------------------------------- deadlines
 
 # Accepts, reads the request, then answers one byte every 0.2 s: every read returns well

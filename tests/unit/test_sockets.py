@@ -59,6 +59,18 @@ def test_socket_files_lists_only_sockets(tmp_path: Path) -> None:
         listener.close()
 
 
+def test_socket_files_reads_a_bounded_number_of_entries(tmp_path: Path) -> None:
+    """A directory an engine floods costs a daemon's start the same as a small one."""
+    listeners = [listen_unix(str(tmp_path / f"{i}.sock"), backlog=1) for i in range(6)]
+    try:
+        found = socket_files(str(tmp_path), limit=4)
+        assert len(found) <= 4 and set(found) <= {str(tmp_path / f"{i}.sock") for i in range(6)}
+        assert len(socket_files(str(tmp_path))) == 6
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
 def test_the_socket_dir_is_tightened_and_never_followed(tmp_path: Path) -> None:
     directory = tmp_path / "cache"
     directory.mkdir()

@@ -115,6 +115,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 "--nodes",
                 str(args.nodes),
                 *(["--real-node"] if args.real_node else []),
+                *([f"--images={args.images}"] if args.images else []),
             ],
             cwd=REPO_ROOT,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
@@ -142,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The supervisor: owns the process group until SIGTERM, or until a component dies."""
     interrupt_on_termination()
     directory = run_dir(args.name)
-    spec = images.node_spec() if args.real_node else None
+    names = [n for n in args.images.split(",") if n] if args.images else None
+    spec = images.node_spec(names=names) if args.real_node else None
     cluster = Cluster(
         directory / "cluster", assets.ensure_binaries(), node_count=args.nodes, real_node=spec
     )
@@ -186,6 +188,11 @@ def cmd_down(args: argparse.Namespace) -> int:
         # Normally the node's guard has done this already; do it if it could not.
         for problem in nodeclean.teardown(node_state):
             print(f"testenv: {problem}", file=sys.stderr)
+    left = nodeclean.mounts_under(str(directory.resolve()))
+    if left:
+        # Removing the directory would delete what those mounts show.
+        print(f"testenv: mounts left under {directory}, kept: {left}", file=sys.stderr)
+        return 1
     shutil.rmtree(directory, ignore_errors=True)
     print(f"testenv: {args.name!r} down", file=sys.stderr)
     return 0
@@ -228,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                 action="store_true",
                 help="also run a real node (kubelet + containerd + runc; root, Debian packages,"
                 " images: built on first use, minutes)",
+            )
+            p.add_argument(
+                "--images",
+                default="",
+                help="with --real-node: load only these images (comma-separated, e.g."
+                " pause,python) into the node; default all",
             )
     args = parser.parse_args(argv)
     handlers = {

@@ -191,11 +191,10 @@ class RealNode:
         self.group = ProcessGroup()
         store, self._store_lock = acquire_store(self.store_cache, self.run_dir)
         store.mkdir(parents=True, exist_ok=True)
-        layout = self.layout = Layout(
-            run=str(self.run_dir), store=str(store), name=self.name,
+        layout = self.layout = resolved_layout(
+            self.run_dir, store, self.sockets, self.socket_root, name=self.name,
             cgroup=f"weightcache-testenv-{os.getpid()}-{os.urandom(3).hex()}",
-            cluster_ip=self.cluster_ip, sockets=str(self.sockets),
-            socket_root=str(self.socket_root),
+            cluster_ip=self.cluster_ip,
         )
         self._api = api
         record: dict[str, Any] = {"layout": asdict(layout), "sysctls": {},
@@ -327,7 +326,7 @@ class RealNode:
             raise RuntimeError(f"testenv: node processes that would not die: {sorted(stuck)}")
         for name in ("kubelet", "containerd"):
             self.group.stop_one(name, signal.SIGKILL)
-        left = unmount_all(layout.run, layout.store, keep=(str(layout.netns),))
+        left = unmount_all(layout.run, layout.store, layout.sockets, keep=(str(layout.netns),))
         if left:
             raise RuntimeError(f"testenv: mounts of the node left after its restart: {left}")
         for volatile in (layout.containerd_state, layout.runc_root):
@@ -340,6 +339,8 @@ class RealNode:
             raise RuntimeError(f"testenv: cgroups left after the restart: {left_cgroups}")
         cgroups.create(layout.cgroup)
         time.sleep(down_seconds)
+        # Its shared bind went with the node's mounts; a machine's boot shares / again.
+        share_kubelet_root(layout.kubelet_root)
         self.start_containerd(timeout)
         self.start_kubelet(timeout)
 
@@ -388,6 +389,15 @@ class RealNode:
             self._guard.wait(timeout=30)
             self._guard = None
         self.layout = None
+
+
+def resolved_layout(run: Path, store: Path, sockets: Path, socket_root: Path, *, name: str,
+                    cgroup: str, cluster_ip: str) -> Layout:
+    """The node's layout with every directory resolved (a HOME or TMPDIR reached through a
+    symlink): see Layout. Parents that do not exist yet are taken as they are written."""
+    return Layout(run=str(run.resolve()), store=str(store.resolve()), name=name, cgroup=cgroup,
+                  cluster_ip=cluster_ip, sockets=str(sockets.resolve()),
+                  socket_root=str(socket_root.resolve()))
 
 
 def share_kubelet_root(root: Path) -> None:

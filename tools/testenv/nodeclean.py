@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -46,15 +47,20 @@ def run_ctr(layout: Layout, *args: str, input: bytes | None = None,
     return result
 
 
-def mounts_under(*roots: str, mountinfo: str | None = None) -> list[str]:
-    """Mount points at or below any root, deepest first (of /proc/self/mountinfo by default)."""
+def mount_points(mountinfo: str | None = None) -> list[str]:
+    """Every mount point of /proc/self/mountinfo (or `mountinfo`), its octal escapes
+    (space, tab, newline, backslash) decoded."""
     if mountinfo is None:
         mountinfo = Path("/proc/self/mountinfo").read_text()
-    points = []
-    for line in mountinfo.splitlines():
-        point = line.split()[4].replace("\\040", " ")
-        if any(point == r or point.startswith(r.rstrip("/") + "/") for r in roots):
-            points.append(point)
+    return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            for line in mountinfo.splitlines()]
+
+
+def mounts_under(*roots: str, mountinfo: str | None = None) -> list[str]:
+    """Mount points at or below any root, deepest first. The table names resolved paths:
+    so must the roots (Layout's are)."""
+    points = [p for p in mount_points(mountinfo)
+              if any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)]
     return sorted(points, key=lambda p: -p.count("/"))
 
 
@@ -153,7 +159,8 @@ def teardown(state_file: Path) -> list[str]:
     stuck = cgroups.kill_all(layout.cgroup)
     if stuck:
         problems.append(f"processes that would not die: {sorted(stuck)}")
-    left = unmount_all(layout.run, layout.store)
+    # kubelet's root lies in `sockets`: pods' volumes are mounted there.
+    left = unmount_all(layout.run, layout.store, layout.sockets)
     if layout.socket_root:
         left += unmount_all(layout.socket_root)
         with contextlib.suppress(OSError):
@@ -175,12 +182,17 @@ def teardown(state_file: Path) -> list[str]:
         with contextlib.suppress(OSError):
             Path(d).rmdir()  # only when empty: another node may still use it
     netns.delete(layout.netns)  # unpinned with the mounts above; this removes the file
-    shutil.rmtree(layout.sockets, ignore_errors=True)
     for name, value in record["sysctls"].items():
         try:
             Path("/proc/sys", name).write_text(value)
         except OSError as e:
             problems.append(f"sysctl {name}: {e}")
+    if left:
+        # Removing a tree that still holds mounts would delete what they show (a pod's
+        # hostPath included): it stays, with the state file, for another teardown.
+        return problems
+    shutil.rmtree(layout.sockets, ignore_errors=True)
+    # "kubelet": its root lay in `run` in state files written before it moved to `sockets`.
     for sub in ("kubelet", "containerd", "runc", "pod-logs", "store", "pki", "cni-ipam"):
         shutil.rmtree(Path(layout.run, sub), ignore_errors=True)
     state_file.unlink(missing_ok=True)

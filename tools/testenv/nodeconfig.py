@@ -43,13 +43,17 @@ KUBELET_SYSCTLS = (
 class Layout:
     """Where one node's pieces live; also the guard's and `down`'s record of what to undo."""
 
-    run: str  # per-run: state, configs, kubelet root, logs, the netns pin
+    # Every path here is resolved (no symlink in it): the kernel's mount table names
+    # resolved paths, so teardown finds mounts by them, and containerd grants Bidirectional
+    # propagation only where the path it is given lies on a shared mount by its text.
+    run: str  # per-run: state, configs, logs, the netns pin
     store: str  # containerd root (images): a cache slot or a directory inside `run`
     name: str
     cgroup: str
     cluster_ip: str  # the `kubernetes` Service IP, on the namespace's lo
-    # Unix sockets (containerd's, the bridge's) need a path under 104 bytes, which a
-    # test's tmp directory may not give: a short directory of their own under /tmp.
+    # Unix sockets (containerd's, the bridge's, and those kubelet dials below its root)
+    # need a path of at most 107 bytes, which a user's HOME or a test's tmp directory may
+    # not give: a short directory of their own under /tmp, holding kubelet's root too.
     sockets: str
     # A small tmpfs of the node's own for pods' sockets (a WeightCache's socketDir): small,
     # so a test can fill it. Empty in state files written before it existed.
@@ -80,7 +84,10 @@ class Layout:
 
     @property
     def kubelet_root(self) -> Path:
-        return self.path("kubelet")
+        """Short, whatever `run` is: kubelet dials plugins at
+        `<root>/plugins_registry/<driver>-reg.sock` and serves `<root>/device-plugins/
+        kubelet.sock` (once a long HOME made the CSI registration socket 108 bytes)."""
+        return Path(self.sockets, "kubelet")
 
     @property
     def pod_logs(self) -> Path:

@@ -61,6 +61,7 @@ The set-up image is the operator's own: it alone runs the privileged step.
   "daemonServiceAccount" .Values.daemon.serviceAccount.name
   "daemonNamespace" (include "wc.daemonNamespace" .)
   "allowedModelClaims" .Values.cachePolicy.allowedModelClaims
+  "namespaceModelSources" .Values.cachePolicy.namespaceModelSources
   "allowedResourceClaims" .Values.cachePolicy.allowedResourceClaims
   "allowedHostPaths" .Values.cachePolicy.allowedHostPaths
   "allowedSidecarImagePrefixes" .Values.cachePolicy.allowedSidecarImagePrefixes

@@ -18,9 +18,11 @@ cannot re-adopt: its memory dies with the daemon that allocated it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ from weightcache.protocol import (
 )
 from weightcache.sockets import (
     DIR_FLAGS,
+    MAX_LISTED,
     PeerPolicy,
     engines_dir,
     peer_credentials,
@@ -334,13 +337,22 @@ ENGINES_DIR_MODE = 0o3770  # setgid + sticky, rwx for the daemon and its group
 
 
 def prepare_engines_dir(daemon_socket_path: str) -> str:
-    """Create ``engines/`` with mode 3770 and our group; return its path.
+    """Create ``engines/`` with mode 3770 and our group, keep only sockets in it; return
+    its path.
 
     Engines run under their own uids with the daemon's gid as primary group:
     group write lets them add their sockets, setgid gives every socket the
     daemon's group (so the daemon may connect to it), sticky stops one engine
     removing or renaming another's. A symlink there is refused; a directory
     owned by another uid is used as it is, with a warning.
+
+    Engines may write their hand-back sockets there and nothing else. Write
+    access to a directory cannot be narrowed to sockets, so whatever else an
+    engine left (files, links, directories) the daemon, the directory's owner,
+    removes at start where it can (a directory only when empty: it may not
+    enter another uid's), logging what stays. It reads at most
+    ``MAX_LISTED`` entries and never descends: no engine can make a daemon's
+    start walk a tree of its making.
     """
     directory = engines_dir(daemon_socket_path)
     parent = os.open(os.path.dirname(directory), DIR_FLAGS)
@@ -365,9 +377,35 @@ def prepare_engines_dir(daemon_socket_path: str) -> str:
         if info.st_gid != os.getegid():
             os.fchown(fd, -1, os.getegid())
         os.fchmod(fd, ENGINES_DIR_MODE)
+        _keep_only_sockets(fd, directory)
     finally:
         os.close(fd)
     return directory
+
+
+def _keep_only_sockets(fd: int, directory: str) -> None:
+    removed, kept = 0, []
+    with os.scandir(fd) as entries:
+        for entry in itertools.islice(entries, MAX_LISTED):
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISSOCK(mode):
+                    continue
+                if stat.S_ISDIR(mode):
+                    os.rmdir(entry.name, dir_fd=fd)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+                removed += 1
+            except FileNotFoundError:
+                continue
+            except OSError:
+                kept.append(entry.name)
+    if removed or kept:
+        log.warning(
+            "engines' directory %s: removed %d entries that are not hand-back sockets%s; "
+            "engines may create only their sockets there", directory, removed,
+            f", kept {len(kept)} it cannot remove (e.g. {kept[0]!r})" if kept else "",
+        )
 
 
 def engine_sockets(daemon_socket_path: str) -> list[str]:

@@ -81,8 +81,8 @@ def test_the_operator_gets_the_same_policy_admission_enforces(render: Renderer) 
     assert policy.allowed_sidecar_image_prefixes == ("reg.example.com/wc/",)
     assert policy.allowed_transports == ("vmm_fd",)
     assert policy.daemon_service_account == "wc-daemon"
-    rules = " ".join(v["expression"] for v in one(
-        docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"])
+    spec = one(docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]
+    rules = " ".join(v["expression"] for v in spec["variables"])
     for value in ("'/run/wc'", "'/srv/models','/data/m'", "'reg.example.com/wc/'", "'vmm_fd'"):
         assert value in rules
 
@@ -120,17 +120,25 @@ def test_cache_policy_defaults_are_secure_and_admission_can_be_turned_off(
     assert "torch_ipc" not in policy.allowed_transports
     assert policy.allowed_host_paths.socket_dirs == ("/var/run/weightcache",)
     assert policy.allowed_host_paths.model_dirs == ("/models",)
-    # Issue 25 items 3 and 4: no priority class, GPU nodes' taint only, bounded resources,
-    # no visible-devices (every GPU of a node, for any image).
+    # Issue 25 items 3 and 4: no priority class, GPU nodes' taint only, bounded resources;
+    # issue 34 item 4: visible-devices (the CRD's default) for the chart's own image alone
+    # while images are not restricted (policy.py, cache-policy.yaml).
     assert policy.allowed_priority_classes == ()
     assert [t.key for t in policy.allowed_tolerations] == ["nvidia.com/gpu"]
     assert policy.max_sidecar_resources == {"cpu": "8", "memory": "64Gi"}
-    assert policy.allowed_gpu_access_modes == ("device-plugin", "dra")
-    validations = one(render(), "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["validations"]
-    # transport, socketDir, model.path, model.pvc, gpuAccess.claim, runAsUser, GPU access
-    # (mode; visible-devices without image prefixes), priority class, tolerations, requests,
+    assert policy.allowed_gpu_access_modes == ("visible-devices", "device-plugin", "dra")
+    assert policy.namespace_model_sources == {}
+    spec = one(render(), "ValidatingAdmissionPolicy", "-cache-policy")["spec"]
+    # One validation over the list of every violation, so that one refusal names them all.
+    (validation,) = spec["validations"]
+    assert validation["expression"] == "size(variables.violations) == 0"
+    assert validation["messageExpression"] == "variables.violations.join('; ')"
+    violations = next(v["expression"] for v in spec["variables"]
+                      if v["name"] == "violations")
+    # transport, socketDir, model.path, model.pvc, gpuAccess.claim, GPU access mode,
+    # visible-devices for another image, runAsUser, priority class, tolerations, requests,
     # limits; any image by default
-    assert len(validations) == 12
+    assert violations.count("? ''") == 12
     docs = render(set_values=["cachePolicy.enabled=false"])
     assert not [d for d in docs if "cache-policy" in d["metadata"]["name"]]
     # The operator enforces the policy either way.
@@ -178,23 +186,50 @@ def test_the_csi_driver_serves_inline_ephemeral_volumes_only(render: Renderer) -
     assert containers["registrar"]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
-def test_the_webhook_sees_only_labelled_pods_and_fails_closed(render: Renderer) -> None:
+def selected(hook: dict, labels: dict[str, str]) -> bool:
+    """Whether a hook's objectSelector (matchExpressions of Exists, In, NotIn) selects a pod
+    with `labels`, as the API server decides."""
+    for e in hook["objectSelector"]["matchExpressions"]:
+        value = labels.get(e["key"])
+        if e["operator"] == "Exists" and value is None:
+            return False
+        if e["operator"] == "In" and value not in e["values"]:
+            return False
+        if e["operator"] == "NotIn" and value in e["values"]:
+            return False
+    return True
+
+
+def test_the_webhook_sees_every_labelled_pod_but_daemons_and_fails_closed(
+    render: Renderer,
+) -> None:
+    from weightcache_operator import inject, names
+
     docs = render()
-    (hook,) = one(docs, "MutatingWebhookConfiguration")["webhooks"]
-    assert hook["failurePolicy"] == "Fail"
-    assert hook["sideEffects"] == "None"
-    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
-                              "resources": ["pods"], "scope": "Namespaced"}]
-    assert hook["objectSelector"]["matchExpressions"] == [
-        {"key": "weightcache.dev/cache", "operator": "Exists"},
-        {"key": "app.kubernetes.io/managed-by", "operator": "NotIn",
-         "values": ["weightcache-operator"]}]
+    hooks = one(docs, "MutatingWebhookConfiguration")["webhooks"]
     service = one(docs, "Service", "-webhook")
-    assert hook["clientConfig"]["service"] == {
-        "name": service["metadata"]["name"], "namespace": "wc-system", "path": "/inject",
-        "port": 443}
     secret = one(docs, "Secret", "-webhook-tls")
-    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    for hook in hooks:
+        assert hook["failurePolicy"] == "Fail"
+        assert hook["sideEffects"] == "None"
+        assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
+                                  "operations": ["CREATE"], "resources": ["pods"],
+                                  "scope": "Namespaced"}]
+        assert hook["clientConfig"]["service"] == {
+            "name": service["metadata"]["name"], "namespace": "wc-system", "path": "/inject",
+            "port": 443}
+        assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    # Issue 34 item 3: the selectors send exactly the pods the handler decides for
+    # (inject.asks): every labelled pod but those with both daemon labels.
+    cache = {names.CACHE_LABEL: "minilm"}
+    daemon = {names.MANAGED_BY_LABEL: names.MANAGER,
+              names.COMPONENT_LABEL: names.DAEMON_COMPONENT}
+    for labels in ({}, cache, {**cache, names.MANAGED_BY_LABEL: "Helm"},
+                   {**cache, names.MANAGED_BY_LABEL: names.MANAGER},
+                   {**cache, names.COMPONENT_LABEL: names.DAEMON_COMPONENT},
+                   {**cache, **daemon}, daemon):
+        sent = [hook["name"] for hook in hooks if selected(hook, labels)]
+        assert len(sent) == int(inject.asks(labels)), (labels, sent)
     operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert "--webhook-port=9443" in operator["args"]
     assert {"name": "webhook-tls", "mountPath": "/tls", "readOnly": True} in operator[
@@ -278,3 +313,83 @@ def test_the_guards_match_the_operators_and_the_daemon_set_controllers_identitie
     docs = render(set_values=["operatorGuard.enabled=false", "daemon.podGuard.enabled=false"])
     assert not [d for d in docs if d["metadata"]["name"].endswith(("-operator-guard",
                                                                    "-daemon-pod-guard"))]
+
+
+def test_the_sweeper_runs_with_chown_alone_on_every_socket_root(render: Renderer) -> None:
+    docs = render(set_values=["cachePolicy.allowedHostPaths.socketDirs={/run/a,/run/b}",
+                              "daemon.namespace=daemons", "sweeper.intervalSeconds=30"])
+    sweeper = one(docs, "DaemonSet", "-sweeper")
+    assert sweeper["metadata"]["namespace"] == "daemons"
+    pod = sweeper["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    assert container["image"] == operator_pod(docs)["containers"][0]["image"]
+    assert container["command"] == ["python", "-m", "weightcache_operator.socketdir", "sweep",
+                                    "--every=30", "/host/sockets/0", "/host/sockets/1"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}}
+    assert "ports" not in container
+    assert [v["hostPath"] for v in pod["volumes"]] == [
+        {"path": "/run/a", "type": "DirectoryOrCreate"},
+        {"path": "/run/b", "type": "DirectoryOrCreate"}]
+    # Wherever a cache's daemons may run: the tolerations caches may use.
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert not [d for d in render(set_values=["sweeper.enabled=false"])
+                if d["metadata"]["name"].endswith("-sweeper")]
+
+
+def test_the_daemon_pod_guard_keeps_daemon_pods_in_the_daemon_namespace(
+    render: Renderer,
+) -> None:
+    docs = render(set_values=["daemon.namespace=daemons",
+                              "daemon.migrateFromNamespaces={old-a}"])
+    guard = one(docs, "ValidatingAdmissionPolicy", "-daemon-pod-guard")
+    first = guard["spec"]["validations"][0]["expression"]
+    assert "request.namespace in ['daemons','old-a']" in first
+
+
+def test_the_operator_gets_each_namespaces_model_sources(render: Renderer, tmp_path: Path
+                                                        ) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(json.dumps({"cachePolicy": {"namespaceModelSources": {
+        "team-a": {"modelDirs": ["/models/a"], "modelClaims": ["a-weights"]},
+        "team-b": {}}}}))
+    docs = render(values)
+    policy = policy_of(operator_pod(docs))
+    assert policy.model_sources("team-a")[0].model_dirs == ("/models/a",)
+    assert policy.model_sources("team-a")[0].model_claims == ("a-weights",)
+    assert policy.model_sources("team-b")[0].model_dirs == ()
+    assert policy.model_sources("other")[0].model_dirs == ("/models",)
+    variables = {v["name"]: v["expression"] for v in one(
+        docs, "ValidatingAdmissionPolicy", "-cache-policy")["spec"]["variables"]}
+    assert "{'team-a':['/models/a'],'team-b':[]}" in variables["modelDirs"]
+    assert "{'team-a':['a-weights'],'team-b':[]}" in variables["modelClaims"]
+    # The operator's guard lets its DaemonSets mount any namespace's model directory.
+    guard = json.dumps(one(docs, "ValidatingAdmissionPolicy", "-operator-guard")["spec"])
+    assert "['/models','/models/a']" in guard
+
+
+def test_the_default_policy_renders_every_example_and_a_gpu_cache_naming_only_its_model(
+    render: Renderer,
+) -> None:
+    """Issue 34 item 4, the operator's half (tests/k8s/test_chart.py applies the same
+    objects to the default chart's admission policy): under the chart's defaults the
+    operator renders each shipped example, and a GPU cache that sets spec.model alone."""
+    import yaml
+
+    from weightcache_operator.render import CacheRef, render_daemonset
+    from weightcache_operator.spec import parse_spec, spec_hash
+
+    policy = policy_of(operator_pod(render()))
+    examples = sorted((Path(__file__).resolve().parents[3] / "crds" / "examples").glob("*.yaml"))
+    docs = [yaml.safe_load(p.read_text()) for p in examples]
+    minimal = {"metadata": {"name": "newcomer", "namespace": "team"},
+               "spec": {"model": {"path": "/models/llama"}}}
+    for doc in [*docs, minimal]:
+        spec = parse_spec(doc["spec"])
+        ref = CacheRef(doc["metadata"]["namespace"], doc["metadata"]["name"], "uid", 1)
+        manifest = render_daemonset(ref, spec, spec_hash(spec), policy, 65532)
+        assert manifest["kind"] == "DaemonSet"
+    assert parse_spec(minimal["spec"]).gpu_access.mode == "visible-devices"

@@ -35,7 +35,14 @@ def test_a_pod_asks_for_a_cache_whatever_else_manages_it() -> None:
     every pod it sends is injected or refused, a Helm-managed one included."""
     assert inject.asks({names.CACHE_LABEL: "minilm"})
     assert inject.asks({names.CACHE_LABEL: "minilm", names.MANAGED_BY_LABEL: "Helm"})
-    assert not inject.asks({names.CACHE_LABEL: "minilm", names.MANAGED_BY_LABEL: names.MANAGER})
+    # Issue 34 item 3: the operator's `managed-by` alone once skipped the webhook.
+    assert inject.asks({names.CACHE_LABEL: "minilm", names.MANAGED_BY_LABEL: names.MANAGER})
+    assert inject.asks({names.CACHE_LABEL: "minilm",
+                        names.COMPONENT_LABEL: names.DAEMON_COMPONENT})
+    # Only both daemon labels together, which the daemon-pod guard admits from the
+    # DaemonSet controller alone, in the daemon namespace.
+    assert not inject.asks({names.CACHE_LABEL: "minilm", names.MANAGED_BY_LABEL: names.MANAGER,
+                            names.COMPONENT_LABEL: names.DAEMON_COMPONENT})
     assert not inject.asks({"app": "engine"})
 
 

@@ -10,6 +10,7 @@ import pytest
 from weightcache_operator.policy import (
     POLICY_ENV,
     HostPaths,
+    ModelSources,
     Policy,
     PolicyError,
     image_allowed,
@@ -49,6 +50,9 @@ def test_policy_from_the_charts_json() -> None:
         (json.dumps({"allowedHostPaths": {"sockets": ["/x"]}}), "sockets"),
         (json.dumps({"allowedTransports": ["carrier-pigeon"]}), "carrier-pigeon"),
         (json.dumps({"setupImage": ""}), "setupImage"),
+        (json.dumps({"namespaceModelSources": {"Team_A": {}}}), "'Team_A' is not a namespace"),
+        (json.dumps({"namespaceModelSources": {"a": {"modelDirs": ["rel"]}}}), "modelDirs"),
+        (json.dumps({"namespaceModelSources": {"a": {"dirs": []}}}), "dirs"),
     ],
 )
 def test_a_malformed_policy_is_refused_naming_it(raw: str, what: str) -> None:
@@ -123,6 +127,22 @@ def test_the_environment_cannot_allow_unknown_modes_or_bad_caps() -> None:
         with pytest.raises(PolicyError, match=message):
             policy_from_env({POLICY_ENV: json.dumps(raw)})
     policy = policy_from_env({POLICY_ENV: "{}"})
-    assert policy.allowed_gpu_access_modes == ("device-plugin", "dra")
+    assert policy.allowed_gpu_access_modes == ("visible-devices", "device-plugin", "dra")
     assert policy.allowed_priority_classes == ()
     assert policy.max_sidecar_resources == {"cpu": "8", "memory": "64Gi"}
+
+
+def test_model_sources_are_per_namespace_with_a_cluster_default() -> None:
+    """Issue 34 item 2: model directories and claims were cluster-wide, so any tenant could
+    load, and its engines read, any other tenant's weights."""
+    raw = {"allowedHostPaths": {"modelDirs": ["/models/shared"]},
+           "allowedModelClaims": ["shared"],
+           "namespaceModelSources": {"team-a": {"modelDirs": ["/models/a"],
+                                                "modelClaims": ["a-weights"]},
+                                     "locked": {}}}
+    policy = policy_from_env({POLICY_ENV: json.dumps(raw)})
+    assert policy.model_sources("team-a") == (
+        ModelSources(("/models/a",), ("a-weights",)), "namespace team-a's")
+    assert policy.model_sources("locked") == (ModelSources(), "namespace locked's")
+    assert policy.model_sources("anyone") == (
+        ModelSources(("/models/shared",), ("shared",)), "the cluster's default")

@@ -7,7 +7,7 @@ import pytest
 
 from weightcache.report import SPEC_HASH_ENV
 from weightcache_operator import names
-from weightcache_operator.policy import HostPaths, Policy, Toleration
+from weightcache_operator.policy import HostPaths, ModelSources, Policy, Toleration
 from weightcache_operator.render import (
     CONTAINER_SOCKET_ROOT,
     LONGEST_SOCKET_NAME,
@@ -334,6 +334,14 @@ def test_default_image_and_missing_image() -> None:
         ({"device": "cuda", "transport": "vmm_fd", "gpuAccess": {"mode": "visible-devices"}},
          msgspec.structs.replace(POLICY, allowed_sidecar_image_prefixes=()),
          "spec.gpuAccess.mode: visible-devices shows every GPU"),
+        # Issue 34 item 2: a namespace listed in the policy loads only its own sources.
+        ({"model": {"path": "/models/minilm"}},
+         msgspec.structs.replace(POLICY, namespace_model_sources={
+             "team": ModelSources(model_dirs=("/models/team",))}),
+         "spec.model.path: /models/minilm is not under a model directory of namespace team's"),
+        ({"model": {"pvc": {"claimName": "store"}}},
+         msgspec.structs.replace(POLICY, namespace_model_sources={"team": ModelSources()}),
+         "spec.model.pvc.claimName: store is not a claim of namespace team's"),
         # Issue 25 item 3: preempting, tolerating and crowding out other tenants' pods.
         ({"placement": {"priorityClassName": "system-cluster-critical"}}, POLICY,
          "spec.placement.priorityClassName: system-cluster-critical is not allowed"),
@@ -358,6 +366,31 @@ def test_policy_violations_are_refused_naming_the_field(
 ) -> None:
     with pytest.raises(PolicyViolation, match=field):
         render({**CPU, **change}, policy=policy)
+
+
+def test_every_violation_of_one_cache_is_named_at_once() -> None:
+    """Issue 34 item 4: users fixed one refused field per apply."""
+    bad = {**CPU, "socketDir": "/etc", "model": {"path": "/etc"},
+           "sidecar": {"image": "elsewhere.example/x:1", "runAsUser": OPERATOR_UID,
+                       "resources": {"requests": {"cpu": "16"}}},
+           "placement": {"priorityClassName": "top", "tolerations": [{"operator": "Exists"}]}}
+    with pytest.raises(PolicyViolation) as err:
+        render(bad)
+    fields = [part.split(":")[0] for part in str(err.value).split("; ")]
+    assert fields == ["spec.socketDir", "spec.model.path", "spec.placement.priorityClassName",
+                      "spec.placement.tolerations[0]", "spec.sidecar.resources.requests.cpu",
+                      "spec.sidecar.image", "spec.sidecar.runAsUser"]
+
+
+def test_visible_devices_is_for_the_charts_own_image_unless_images_are_restricted() -> None:
+    gpu = {**GPU, "gpuAccess": {"mode": "visible-devices"}}
+    open_images = msgspec.structs.replace(POLICY, allowed_sidecar_image_prefixes=(),
+                                          sidecar_image="sidecar:1")
+    render(gpu, policy=open_images)  # the chart's own sidecar image
+    render({**gpu, "sidecar": {}}, policy=open_images)
+    with pytest.raises(PolicyViolation, match="only the chart's own sidecar image"):
+        render({**gpu, "sidecar": {"image": "sidecar:2"}}, policy=open_images)
+    render({**gpu, "sidecar": {"image": "sidecar:2"}})  # under the allowed prefixes
 
 
 def test_socket_path_limit() -> None:

@@ -8,14 +8,24 @@ could plant inside its own directory.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from weightcache_operator.socketdir import SetupError, prepare
+from weightcache_operator.socketdir import (
+    Budget,
+    SetupError,
+    is_retired,
+    moved_name,
+    open_root,
+    prepare,
+    sweep,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, as the init container")
 
@@ -103,12 +113,12 @@ def test_command_line(root: Path) -> None:
 
 
 def as_init_container(*args: str) -> subprocess.CompletedProcess[str]:
-    """The set-up step as the daemon pod's init container runs it: root with CAP_CHOWN alone
+    """The set-up step (or the sweeper) as its container runs it: root with CAP_CHOWN alone
     (no CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH or CAP_FOWNER)."""
     return subprocess.run(
         ["setpriv", "--bounding-set", "-all,+chown", "--inh-caps", "-all", "--",
          sys.executable, "-m", "weightcache_operator.socketdir", *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=120,
     )
 
 
@@ -139,6 +149,11 @@ def test_a_new_daemon_uid_or_a_new_cache_gets_a_fresh_directory(root: Path) -> N
     st = cache.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (4242, 4242, 0o750)
     assert list(cache.iterdir()) == []
+    # Set aside, for the sweeper: no cache's start waits on removing it.
+    (retired,) = [p for p in root.iterdir() if p.name.startswith(".retired-team.minilm-")]
+    assert retired.stat().st_uid == 65533
+    swept = as_init_container("sweep", "--every", "0", str(root))
+    assert swept.returncode == 0, swept.stderr
     assert sorted(p.name for p in root.iterdir()) == [".weightcache", "team.minilm"]
 
     daemon_was_here(cache, 4242)
@@ -163,3 +178,158 @@ def test_a_directory_from_before_records_is_kept_and_recorded(root: Path) -> Non
     assert (cache / ".daemon").exists()
     assert (root / ".weightcache" / "team.minilm").read_text().split() == [
         "uid-1", "65533", "65533"]
+
+
+# --------------------------------------------------------------------------- retired trees
+
+DEPTH = 1500  # past Python's recursion limit: once a RecursionError on every cache's start
+
+
+def nested(top: Path, depth: int, uid: int) -> None:
+    """What an engine of uid `uid` can nest in its cache's engines/: `depth` directories,
+    each closed to everyone (mode 0), files, a socket, a FIFO, and links out of the tree."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for level in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            if level % 100 == 0:
+                os.symlink("/etc", "to-etc", dir_fd=fd)
+                os.mkfifo("fifo", dir_fd=fd)
+                with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as f:
+                    f.write("x")
+            os.fchown(fd, uid, uid)
+            os.fchmod(fd, 0)
+            os.close(fd)
+            fd = child
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(f"/proc/self/fd/{fd}/s.sock")
+        os.fchown(fd, uid, uid)
+        os.fchmod(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def retired_tree(root: Path, name: str, depth: int = DEPTH, uid: int = 4242) -> Path:
+    """A cache directory whose engine nested a tree in engines/, set aside as the set-up step
+    sets it aside."""
+    cache = root / name
+    cache.mkdir()
+    daemon_was_here(cache, uid)
+    nested(cache / "engines", depth, uid)
+    retired = root / f".retired-{name}-0badc0de"
+    cache.rename(retired)
+    return retired
+
+
+def entries_below(path: Path) -> int:
+    result = subprocess.run(["find", str(path), "-mindepth", "1"], capture_output=True,
+                            text=True, check=False)
+    return len(result.stdout.splitlines())
+
+
+def test_a_start_never_enters_another_caches_retired_directory(root: Path) -> None:
+    """Issue 34 item 1: every cache's set-up step removed every retired directory of the
+    node, recursing once per level: 1,500 nested directories made it die of RecursionError
+    on each start, every cache's daemon stuck in Init:CrashLoopBackOff."""
+    retired = retired_tree(root, "tenant.squatter")
+    before = entries_below(retired)
+    started = time.monotonic()
+    result = as_init_container(str(root), "victim.cache", "65533", "65533", "uid-v")
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 30
+    assert (root / "victim.cache").stat().st_uid == 65533
+    assert entries_below(retired) == before  # left to the sweeper
+    # Too deep for the recursive rmtree that cleans pytest's temporary directories.
+    assert as_init_container("sweep", "--every", "0", str(root)).returncode == 0
+
+
+def test_the_sweeper_removes_any_tree_with_chown_alone_never_following_a_link(
+    root: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    os.chown(outside, 1234, 1234)
+    retired = retired_tree(root, "tenant.squatter")
+    (retired / "engines" / "d" / "to-outside").symlink_to(outside)
+    prepare(str(root), "victim.cache", 65533, 65533)
+    swept = as_init_container("sweep", "--every", "0", str(root))
+    assert swept.returncode == 0, swept.stderr
+    assert sorted(p.name for p in root.iterdir()) == [".weightcache", "victim.cache"]
+    assert "removed" in swept.stderr and "more left" not in swept.stderr
+    st = outside.stat()
+    assert (st.st_uid, (outside / "keep").read_text()) == (1234, "x")
+    assert (root / "victim.cache").stat().st_uid == 65533
+
+
+def test_a_sweep_is_bounded_and_every_pass_makes_progress(root: Path) -> None:
+    retired_tree(root, "tenant.squatter", depth=300)
+    left = entries_below(root)
+    passes = 0
+    while True:
+        passes += 1
+        fd = open_root(str(root))
+        try:
+            result = sweep(fd, Budget(time.monotonic() + 60, entries=50))
+        finally:
+            os.close(fd)
+        now = entries_below(root)
+        if result.complete:
+            break
+        assert now < left, f"pass {passes} removed nothing ({result.summary()})"
+        left = now
+    assert passes > 10  # the budget bounded each pass
+    assert list(root.iterdir()) == []
+    # A spent deadline does nothing at all.
+    retired_tree(root, "tenant.again", depth=3)
+    fd = open_root(str(root))
+    try:
+        result = sweep(fd, Budget(time.monotonic() - 1, entries=10**6))
+    finally:
+        os.close(fd)
+    assert (result.complete, result.removed, result.moved) == (False, 0, 0)
+
+
+def test_an_entry_that_cannot_be_removed_is_logged_and_the_rest_goes(root: Path) -> None:
+    retired = retired_tree(root, "tenant.squatter", depth=5)
+    stuck = retired / "busy"
+    stuck.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(stuck)], check=True)
+    try:
+        swept = as_init_container("sweep", "--every", "0", str(root))
+        assert swept.returncode == 1
+        assert "1 could not be removed" in swept.stderr and "busy" in swept.stderr, swept.stderr
+        assert "Device or resource busy" in swept.stderr
+        # Everything else went; the directory holding the mount point stays for later.
+        assert [p.name for p in root.iterdir()] == [retired.name]
+        assert [p.name for p in retired.iterdir()] == ["busy"]
+    finally:
+        subprocess.run(["umount", str(stuck)], check=True)
+    swept = as_init_container("sweep", "--every", "0", str(root))
+    assert swept.returncode == 0, swept.stderr
+    assert list(root.iterdir()) == []
+
+
+def test_the_sweeper_refuses_a_root_others_may_write(root: Path) -> None:
+    os.chmod(root, 0o777)
+    swept = as_init_container("sweep", "--every", "0", str(root))
+    os.chmod(root, 0o755)
+    assert swept.returncode == 1 and "writable by root alone" in swept.stderr
+
+
+def test_retired_names() -> None:
+    assert is_retired(".retired-team.cache-0badc0de")
+    assert not is_retired(".retired-") and not is_retired("team.cache")
+    assert not is_retired(".weightcache")
+    moved = moved_name(".retired-my-team.cache-0badc0de", "ab" * 8)
+    assert moved == ".retired-my-team.cache-" + "ab" * 8
+    # However deep the directory was, its new name does not grow.
+    assert moved_name(moved, "cd" * 8) == ".retired-my-team.cache-" + "cd" * 8
+
+
+def test_a_budget_is_spent_by_entries_or_by_time() -> None:
+    budget = Budget(deadline=10.0, entries=2)
+    assert budget.spend(1.0) and budget.spend(2.0)
+    assert not budget.spend(3.0)
+    assert not Budget(deadline=10.0, entries=5).spend(10.0)

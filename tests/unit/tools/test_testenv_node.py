@@ -30,3 +30,18 @@ def test_a_machine_that_cannot_run_containers_is_told_what_is_missing(
     with pytest.raises(node.NodeUnavailable, match="cannot run the real node; missing: root"):
         real.start(api=None, ca=None, apiserver_port=0)  # type: ignore[arg-type]
     assert not (tmp_path / "cache").exists()  # refused before touching anything
+
+
+def test_the_layout_names_resolved_paths(tmp_path: Path) -> None:
+    """Issue 34 item 5: with a run directory reached through a symlink, teardown looked for
+    the node's mounts by the symlinked path, and the kernel names resolved ones: `down`
+    left 26 mounts. Every directory of the layout is resolved."""
+    real = tmp_path / "real"
+    (real / "run").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    link = tmp_path / "link"
+    layout = node.resolved_layout(link / "run", link / "store", link / "t", link / "sr",
+                                  name="real-0", cgroup="c", cluster_ip="10.96.0.1")
+    assert (layout.run, layout.store) == (str(real / "run"), str(real / "store"))
+    assert (layout.sockets, layout.socket_root) == (str(real / "t"), str(real / "sr"))
+    assert layout.kubelet_root == real / "t" / "kubelet"

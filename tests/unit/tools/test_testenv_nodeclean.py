@@ -17,3 +17,8 @@ def test_state_round_trips_the_layout(tmp_path: Path) -> None:
                          cluster_ip="10.96.0.1", sockets=str(tmp_path / "t"))
     nodeclean.write_state(layout, {"layout": layout.__dict__, "sysctls": {}, "created_dirs": []})
     assert nodeconfig.Layout(**json.loads(layout.state_file.read_text())["layout"]) == layout
+
+
+def test_mount_points_decode_every_escape_the_kernel_writes() -> None:
+    info = "1 1 0:1 / /h/a\\011b\\012c\\134d rw - tmpfs tmpfs rw"
+    assert nodeclean.mount_points(info) == ["/h/a\tb\nc\\d"]

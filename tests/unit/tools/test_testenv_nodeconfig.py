@@ -65,8 +65,23 @@ def test_kubelet_flags_name_the_node_and_its_address() -> None:
     flags = nodeconfig.kubelet_args(LAYOUT, Path("/r/k.yaml"), Path("/r/k.kubeconfig"))
     assert "--hostname-override=real-0" in flags
     assert f"--node-ip={nodeconfig.NODE_IP}" in flags
-    assert "--root-dir=/r/kubelet" in flags
+    assert "--root-dir=/t/kubelet" in flags
     assert f"--node-labels={nodeconfig.NODE_LABEL}={nodeconfig.NODE_LABEL_VALUE}" in flags
+
+
+def test_kubelets_sockets_fit_whatever_the_run_directory() -> None:
+    """Issue 34 item 5: under a long HOME, kubelet's plugin registration socket was 108 bytes
+    (CSI registration failed; engine pods stayed ContainerCreating). kubelet's root lies in
+    the node's short socket directory, not in the run directory."""
+    layout = nodeconfig.Layout(run="/home/" + "x" * 200 + "/run", store="/s", name="real-0",
+                               cgroup="wc-test", cluster_ip="10.96.0.1",
+                               sockets="/tmp/wc-node-4194304-abcdef")
+    for socket in (layout.kubelet_root / "plugins_registry" / "weightcache.dev-reg.sock",
+                   layout.kubelet_root / "plugins" / "weightcache.dev" / "csi.sock",
+                   layout.kubelet_root / "device-plugins" / "kubelet.sock",
+                   layout.kubelet_root / "pod-resources" / "kubelet.sock",
+                   layout.containerd_socket, layout.egress_socket):
+        assert len(str(socket).encode()) <= 107, socket
 
 
 def test_the_api_server_reaches_nodes_only_through_the_bridge_socket() -> None:
