@@ -48,6 +48,8 @@ def assert_mapped_whole(result: dict, tp: int) -> None:
     assert result["layout"] is not None, result["reason"]
     assert result["names"] == result["cold_names"]
     assert result["differ"] == []
+    assert result["meta"] == [] and result["buffers_differ"] == []
+    assert any(n.endswith("rotary_emb.cos_sin_cache") for n in result["buffers"])
     assert result["external"] == result["layout_bytes"] > 0
     outside, reported = result["outside"], result["reported"]
     # Read from the storages, equal to what the loader logs.

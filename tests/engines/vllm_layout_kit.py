@@ -147,6 +147,9 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
         return {"kind": kind, "layout": None, "reason": layout.reason}
     in_daemon = in_daemon_memory(layout.attached)
     ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
+    # The buffers too (vLLM's rotary caches): the trace ran on a throwaway model built from
+    # the same process-wide caches, and must have left them as it found them.
+    buffers, cold_buffers = dict(model.named_buffers()), dict(cold.named_buffers())
     return {
         "kind": kind,
         "layout": layout.attached.config.plan,
@@ -155,6 +158,13 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
         "shapes": {n: list(p.shape) for n, p in ours.items()},
         "differ": sorted(n for n in ours if n in theirs and not torch.equal(ours[n], theirs[n])),
         "outside": sorted(n for n, p in ours.items() if not in_daemon(p)),
+        "meta": sorted(n for n, t in {**ours, **buffers}.items() if t.is_meta),
+        "buffers": sorted(buffers),
+        "buffers_differ": sorted(
+            n for n, b in buffers.items()
+            if n not in cold_buffers or b.is_meta or cold_buffers[n].is_meta
+            or not torch.equal(b, cold_buffers[n])
+        ),  # fmt: skip
         "mapped_bytes": sum(p.numel() * p.element_size() for p in ours.values() if in_daemon(p)),
         "reported": loader.layout_load.copied,
         "reported_mapped_bytes": loader.layout_load.mapped_bytes,

@@ -57,7 +57,7 @@ from weightcache.integrations.loading import (
 )
 from weightcache.integrations.settings import AdapterSettings
 from weightcache.integrations.sglang import CONFIG_KEY
-from weightcache.integrations.trace import TraceReport, trace_load
+from weightcache.integrations.trace import TraceReport, isolated, trace_load
 from weightcache.plan import SourceTensor
 from weightcache.protocol import ShardSpec
 
@@ -268,13 +268,19 @@ def trace_sglang_load(
     """SGLang's loading and post-processing of a throwaway model built on meta, run against
     ``sources`` (the checkpoint's tensor table), as a plan: what the loader asks its daemon
     for, and what ``tools/plan_fixtures.py`` records as committed fixtures."""
-    with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
-        twin = _initialize_model(model_config, load_config, None)
-    return trace_load(
-        twin, sources,
-        lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
-        post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
-    )  # fmt: skip
+    from sglang.srt.layers.rotary_embedding import factory
+
+    # The real model is built after this one, from SGLang's rotary cache (``get_rope``
+    # hands one module per configuration to every model): it must find it as a cold start
+    # would (trace.isolated).
+    with isolated(caches=[factory._ROPE_DICT]):
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            twin = _initialize_model(model_config, load_config, None)
+        return trace_load(
+            twin, sources,
+            lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
+            post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
+        )  # fmt: skip
 
 
 def _device(device_config: DeviceConfig) -> torch.device:

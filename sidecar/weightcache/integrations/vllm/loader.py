@@ -59,7 +59,7 @@ from weightcache.integrations.loading import (
     still_mapped,
 )
 from weightcache.integrations.settings import AdapterSettings
-from weightcache.integrations.trace import TraceReport, trace_load
+from weightcache.integrations.trace import TraceReport, isolated, trace_load
 from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,9 @@ class WeightcacheModelLoader(BaseModelLoader):
         from vllm.config import set_current_vllm_config
 
         twin_config = copy.deepcopy(vllm_config)  # vLLM registers layers in its config
-        with set_current_vllm_config(twin_config):
+        # The real model is built after this one, from vLLM's rotary cache among others:
+        # it must find them as a cold start would (trace.isolated).
+        with isolated(caches=_process_caches()), set_current_vllm_config(twin_config):
             with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
                 twin = initialize_model(
                     vllm_config=twin_config, model_config=twin_config.model_config
@@ -279,6 +281,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         return DefaultModelLoader(
             dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
         )
+
+
+def _process_caches() -> list[dict]:
+    """vLLM's process-wide caches of modules that building a model fills: its rotary
+    embeddings (``get_rope`` hands one module per configuration to every model)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    return [rotary_embedding._ROPE_DICT]
 
 
 def _refuse_weight_updates(weights: object = None, *args: object, **kwargs: object) -> None:
