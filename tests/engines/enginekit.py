@@ -224,6 +224,19 @@ def in_daemon_memory(attached):
     return inside
 
 
+def engine_memory(params: dict, in_daemon, views: dict) -> dict:
+    """What the engine holds itself, read from the parameters' storages: the bytes of those
+    outside the daemon's memory, and the placeholders among them (a parameter that
+    post-processing emptied, keeping its own form of the weight elsewhere, as vLLM's CPU
+    build does with its packed GEMM weights) with their bytes in the daemon's layout."""
+    outside = {n: p for n, p in params.items() if not in_daemon(p)}
+    return {
+        "outside_bytes": sum(p.numel() * p.element_size() for p in outside.values()),
+        "placeholders": {n: views[n].numel() * views[n].element_size()
+                         for n, p in outside.items() if p.numel() == 0 and n in views},
+    }  # fmt: skip
+
+
 def run_ranks(module: str, jobs: list[list[str]], workdir: Path, timeout: float = 600) -> list:
     """``python -m module RANK WORLD PORT OUT JOB...`` once per rank (``jobs[rank]``), all at
     once (they join one process group); each rank's JSON from OUT, in rank order."""

@@ -33,6 +33,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from tests.engines.tiny_models import CONFIGS, EXPERTS, VOCAB  # noqa: E402
 from tests.engines.vllm_layout_kit import (  # noqa: E402
     CACHE,
+    CPU_BUILD_KERNELS,
     MOE,
     cuda_wheel,
     engine_config,
@@ -56,6 +57,10 @@ def assert_mapped_whole(result: dict, tp: int) -> None:
     # Read from the storages, equal to what the loader logs.
     assert outside == sorted(reported)
     assert result["mapped_bytes"] == result["reported_mapped_bytes"] > 0
+    # What the engine holds itself: its parameters' bytes, and the layout's bytes of those
+    # post-processing emptied (their own form lies outside any parameter).
+    held = result["outside_bytes"] + sum(result["placeholders"].values())
+    assert held == result["reported_copied_bytes"]
     if cuda_wheel():
         assert outside == []  # every parameter, fused, stacked and padded ones included
     else:
@@ -90,7 +95,7 @@ def test_vllms_own_layout_is_mapped_and_bit_equal_to_a_cold_load(
 
         cold_config = engine_config(tiny_dirs[kind])
         with set_current_vllm_config(cold_config):
-            with pytest.raises(AttributeError, match="prepack_moe_weight"):
+            with pytest.raises(AttributeError, match=CPU_BUILD_KERNELS):
                 get_model_loader(cold_config.load_config).load_model(
                     cold_config, cold_config.model_config
                 )
@@ -169,7 +174,7 @@ def test_a_quantized_model_is_loaded_by_vllms_own_loader_from_disk(
                 if post_processes("qwen2_moe"):
                     ours = loader.load_model(ours_config, ours_config.model_config)
                 else:
-                    with pytest.raises(AttributeError, match="prepack_moe_weight") as failed:
+                    with pytest.raises(AttributeError, match=CPU_BUILD_KERNELS) as failed:
                         loader.load_model(ours_config, ours_config.model_config)
         with set_current_vllm_config(cold_config):
             cold_loader = get_model_loader(cold_config.load_config)

