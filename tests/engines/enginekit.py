@@ -189,16 +189,52 @@ def fetches(daemon, op: str = "fetch_state") -> int:
     return int(float(match.group(1))) if match else 0
 
 
+# The daemon names its memfd allocations so (transport/memfd.py); /proc/<pid>/maps shows a
+# mapping of one as "/memfd:weightcache-<i> (deleted)".
+MEMFD_PREFIX = "/memfd:weightcache-"
+
+
+def memfd_spans(pid: int | str = "self") -> list[tuple[int, int]]:
+    """The address ranges where ``pid`` maps a daemon's memfd memory, from the kernel's
+    own account (``/proc/<pid>/maps``), not from anything weightcache keeps."""
+    spans = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(MEMFD_PREFIX):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((low, high))
+    return spans
+
+
 def in_daemon_memory(attached):
-    """Whether a tensor's bytes lie in the daemon's mapped allocations (read from its own
-    storage: where the engine's parameter actually is)."""
-    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in attached.allocations()]
+    """The engine-storage check: whether a tensor's bytes lie in the daemon's memory,
+    read from the tensor's own storage (where the engine's parameter actually is) against
+    the process's memfd mappings in /proc/self/maps (over memfd; other transports: the
+    mapped allocations). The adapter's own counters are checked against this."""
+    if attached.transport == "memfd":
+        spans = memfd_spans()
+    else:
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in attached.allocations()]
 
     def inside(t) -> bool:
         end = t.data_ptr() + t.numel() * t.element_size()
         return t.numel() > 0 and any(lo <= t.data_ptr() and end <= hi for lo, hi in spans)
 
     return inside
+
+
+def engine_memory(params: dict, in_daemon, views: dict) -> dict:
+    """What the engine holds itself, read from the parameters' storages: the bytes of those
+    outside the daemon's memory, and the placeholders among them (a parameter that
+    post-processing emptied, keeping its own form of the weight elsewhere, as vLLM's CPU
+    build does with its packed GEMM weights) with their bytes in the daemon's layout."""
+    outside = {n: p for n, p in params.items() if not in_daemon(p)}
+    return {
+        "outside_bytes": sum(p.numel() * p.element_size() for p in outside.values()),
+        "placeholders": {n: views[n].numel() * views[n].element_size()
+                         for n, p in outside.items() if p.numel() == 0 and n in views},
+    }  # fmt: skip
 
 
 def run_ranks(module: str, jobs: list[list[str]], workdir: Path, timeout: float = 600) -> list:

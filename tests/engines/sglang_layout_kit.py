@@ -110,7 +110,7 @@ def load_ours_and_cold(model_dir: str, dtype: str, rank: int, extra: dict):
 def outcome(kind: str, loader, model, cold) -> dict:
     import torch
 
-    from tests.engines.enginekit import in_daemon_memory
+    from tests.engines.enginekit import engine_memory, in_daemon_memory
 
     layout = loader._layout
     ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
@@ -134,6 +134,7 @@ def outcome(kind: str, loader, model, cold) -> dict:
         "daemon_bytes_change": layout.daemon_bytes_change,
         "outside": sorted(n for n, p in ours.items() if not in_daemon(p)),
         "mapped_bytes": sum(p.numel() * p.element_size() for p in ours.values() if in_daemon(p)),
+        **engine_memory(ours, in_daemon, layout.attached.tensors),
         "total_bytes": sum(p.numel() * p.element_size() for p in ours.values()),
         "reported": loader.layout_load.copied,
         "reported_mapped_bytes": loader.layout_load.mapped_bytes,

@@ -209,12 +209,31 @@ def with_model_config(vllm_config, **changes):
     return changed
 
 
-def test_quantized_models_are_refused(memfd_daemon, vllm_config) -> None:
+def test_a_quantized_model_goes_to_vllms_own_loader_never_stopping_it(
+    memfd_daemon, vllm_config, caplog
+) -> None:
+    """Its post-processing re-lays the weights into vLLM's own memory: weightcache cannot
+    give their final form, so vLLM's default loader loads it (0 external bytes) and one
+    WARNING says why; with ``fallback`` off the start fails saying why."""
+    from weightcache.integrations.layouts import NotServable
+
     quantized = with_model_config(vllm_config, quantization="fp8")
-    with pytest.raises(ValueError, match="does not support quantization 'fp8'"):
-        loader_for({"socket": memfd_daemon.socket}).attachment(
-            quantized, quantized.model_config
-        )
+    before = memfd_daemon.status()
+    with caplog.at_level("WARNING", logger="weightcache"):
+        loader = loader_for({"socket": memfd_daemon.socket})
+        assert loader.get_external_weight_memory(quantized) == 0
+        assert loader.layout(quantized).disk is not None
+        assert loader.attachment(quantized, quantized.model_config).attached is None
+    # By record: caplog sees each one twice, through the weightcache logger and through
+    # vLLM's tree that the adapter forwards it to (logs.follow_engine_logging).
+    warnings = {id(r): r.getMessage() for r in caplog.records if r.levelname == "WARNING"}
+    assert list(warnings.values()) == [
+        "weightcache: the engine's default loader loads the model from disk: quantization "
+        "'fp8': its post-processing re-lays the weights into vLLM's own memory"
+    ]
+    assert memfd_daemon.status().fingerprint == before.fingerprint  # never asked
+    with pytest.raises(NotServable, match="quantization 'fp8'.*fallback is off"):
+        loader_for({"socket": memfd_daemon.socket, "fallback": False}).layout(quantized)
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,77 @@ def write_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(CONFIGS[kind], indent=1))
     return directory
+
+
+# --------------------------------------------------------------------------- with transformers
+
+# Decoders written by transformers itself (its model classes' own initialisation and
+# save_pretrained), with a tokenizer, for the engine servers to generate from.
+HF_KINDS = ("llama", "qwen2", "qwen2_moe")
+# Words "w3".."w249" after three special tokens: every id a word, so prompts are plain text.
+SPECIAL = ("<unk>", "<s>", "</s>")
+
+
+# Heads of 32: the smallest head size vLLM's CPU attention runs (it refuses 16).
+HF_H = 4 * 32
+
+
+def hf_config(kind: str):
+    """A transformers config of ``kind``: the tiny shapes above but for heads of 32
+    (``HF_H``), and a vocabulary of 250 that vLLM pads to 256."""
+    import transformers
+
+    common = dict(
+        hidden_size=HF_H, intermediate_size=INTER, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2,
+    )  # fmt: skip
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "qwen2":  # q/k/v biases, tied embeddings
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "qwen2_moe":  # experts and a shared expert behind a gate
+        return transformers.Qwen2MoeConfig(
+            **common, tie_word_embeddings=False, num_experts=EXPERTS, num_experts_per_tok=2,
+            moe_intermediate_size=MOE_INTER, shared_expert_intermediate_size=INTER,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        )  # fmt: skip
+    raise ValueError(f"unknown kind {kind!r}; expected one of {HF_KINDS}")
+
+
+def write_hf_model(
+    kind: str, directory: Path, *, seed: int = 0, fp32: tuple[str, ...] = ()
+) -> Path:
+    """A ``kind`` decoder built and saved by transformers (bfloat16, its own random
+    initialisation under ``seed``) plus a word-level tokenizer, in ``directory``.
+    ``fp32``: name suffixes of tensors kept in float32 (a mixed-dtype checkpoint, as
+    checkpoints keeping their norms in float32 are)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    model = model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if name.endswith(fp32):
+            param.data = param.data.float()
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer of VOCAB ids ("w<id>" words, split on whitespace)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<unk>",
+    )  # fmt: skip
+    fast.save_pretrained(directory)

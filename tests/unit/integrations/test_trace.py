@@ -264,3 +264,83 @@ def test_transformers_models_loaded_by_load_state_dict(arch) -> None:
         assert "lm_head.weight" in names  # an alias of the embedding
     params = dict(engine.named_parameters(remove_duplicate=False))
     assert_plan_equals_engine(report, state, params)
+
+
+# A process-wide module cache in vLLM's manner (its get_rope): one rotary module per
+# configuration, handed to every model built afterwards, the throwaway traced one included.
+_ROTARY_CACHE: dict[int, nn.Module] = {}
+
+
+class _Rotary(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.arange(dim, dtype=torch.float32),
+                             persistent=False)  # fmt: skip
+
+
+def _rotary(dim: int) -> nn.Module:
+    if dim not in _ROTARY_CACHE:
+        _ROTARY_CACHE[dim] = _Rotary(dim)
+    return _ROTARY_CACHE[dim]
+
+
+class _WithRotary(ToyEngine):
+    def __init__(self) -> None:
+        super().__init__(layers=1)
+        self.layers[0].rotary_emb = _rotary(HEAD)  # shared, as vLLM's cached rope is
+
+
+def test_a_trace_leaves_every_module_of_the_traced_model_as_it_was() -> None:
+    """The buffers go to meta only while the engine's code runs: a module the engine shares
+    with the real model (vLLM's cached rotary embedding) keeps its real buffer, and
+    post-processing's attributes, parameters and submodules are undone."""
+    tensors = checkpoint(layers=1)
+    _ROTARY_CACHE.clear()
+    with meta_parameters():
+        traced = _WithRotary()
+    rotary = traced.layers[0].rotary_emb
+    cache = rotary.cos_sin_cache
+    before = {id(m): (dict(m.__dict__), dict(m._parameters), dict(m._buffers))
+              for m in traced.modules()}  # fmt: skip
+
+    def post():
+        layer = traced.layers[0]
+        layer.packed = nn.Parameter(torch.empty(3, device="meta"), requires_grad=False)
+        layer.o_proj = nn.Parameter(layer.o_proj.t().contiguous(), requires_grad=False)
+        layer.extra = nn.Linear(2, 2, device="meta")
+        rotary.scale = 2.0
+
+    report = trace_load(traced, sources(tensors), traced.load_weights, post_process=post)
+    assert report.post_processed == {"layers.0.o_proj": ("replaces", "replaced by post-processing")}
+    after = {id(m): (dict(m.__dict__), dict(m._parameters), dict(m._buffers))
+             for m in traced.modules()}  # fmt: skip
+    assert after == before
+    assert rotary.cos_sin_cache is cache and not cache.is_meta
+    assert torch.equal(cache, torch.arange(HEAD, dtype=torch.float32))
+    with meta_parameters():
+        real = _WithRotary()  # the cache hands it the same module: its buffer is real
+    assert real.layers[0].rotary_emb is rotary and not rotary.cos_sin_cache.is_meta
+
+
+def test_isolated_restores_the_process_state_building_a_model_changes() -> None:
+    import random
+
+    import numpy
+
+    from weightcache.integrations.trace import isolated
+
+    _ROTARY_CACHE.clear()
+    kept = _rotary(2)
+    torch.manual_seed(1), random.seed(1), numpy.random.seed(1)
+    expected = (torch.rand(3), random.random(), numpy.random.rand())
+    torch.manual_seed(1), random.seed(1), numpy.random.seed(1)
+    with isolated(caches=[_ROTARY_CACHE]):
+        torch.set_default_dtype(torch.float16)
+        torch.set_grad_enabled(False)
+        torch.rand(5), random.random(), numpy.random.rand(4)
+        _rotary(HEAD)
+        del _ROTARY_CACHE[2]
+    drawn = (torch.rand(3), random.random(), numpy.random.rand())
+    assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert _ROTARY_CACHE == {2: kept}

@@ -8,7 +8,10 @@ it, fused ``qkv_proj``/``gate_up_proj``, stacked experts, padded
 vocabularies and TP shards included, and mapped/copied bytes are read from
 the parameters' own storages. Where no layout can be had it maps the
 daemon's checkpoint layout (:mod:`..loading`; what SGLang fuses is copied by
-its own weight loaders) or loads from disk. ``preloaded_weights_bytes`` then
+its own weight loaders) or loads from disk: SGLang's own ``DefaultModelLoader``
+loads what neither layout can give (a quantized model, parameters no
+checkpoint tensor fills) and any model a load from the daemon left without a
+value, with one WARNING saying why. ``preloaded_weights_bytes`` then
 tells SGLang's scheduler how many bytes were resident before its memory
 baseline, which it adds back through ``ModelRunner.account_preloaded_weights``
 (0 after a disk fallback).
@@ -41,14 +44,19 @@ from weightcache.devices import gpu_uuid
 from weightcache.integrations.layouts import (
     LayoutDecision,
     LayoutLoad,
+    NotServable,
     describe_copied,
+    describe_unfilled,
     engine_layout,
+    from_disk,
     map_engine_layout,
     storage_report,
+    unfilled,
 )
 from weightcache.integrations.loading import (
     Attachment,
     EngineTarget,
+    IncompleteLoad,
     attachment,
     expected_configs,
     load_from_daemon,
@@ -57,7 +65,7 @@ from weightcache.integrations.loading import (
 )
 from weightcache.integrations.settings import AdapterSettings
 from weightcache.integrations.sglang import CONFIG_KEY
-from weightcache.integrations.trace import TraceReport, trace_load
+from weightcache.integrations.trace import TraceReport, isolated, trace_load
 from weightcache.plan import SourceTensor
 from weightcache.protocol import ShardSpec
 
@@ -96,6 +104,9 @@ class WeightcacheModelLoader(BaseModelLoader):
         self._layout: LayoutDecision | None = None
         # With SGLang's own layout: where every parameter lives after post-processing.
         self.layout_load: LayoutLoad | None = None
+        # Why SGLang's own loader loaded the model from disk after a load from the daemon
+        # left something without its value (then no daemon bytes are this engine's).
+        self.reloaded: str | None = None
 
     @property
     def preloaded_weights_bytes(self) -> int:
@@ -109,6 +120,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         sample, so the sample held what the daemon held then. The layout's bytes less
         that change (:attr:`LayoutDecision.daemon_bytes_change`) are the bytes resident at
         the sample: the checkpoint layout's on a first start, the layout's once held."""
+        if self.reloaded is not None:
+            return 0  # SGLang's own allocations hold the weights, as on a cold start
         layout = self._layout
         if layout is not None and layout.attached is not None:
             return max(0, layout.layout_bytes - layout.daemon_bytes_change)
@@ -120,15 +133,13 @@ class WeightcacheModelLoader(BaseModelLoader):
     def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         if not getattr(model_config, "is_draft_model", False):
             layout = self.layout(model_config, device_config)
+            if layout.disk is not None:
+                return self._from_disk(model_config, device_config)
             if layout.attached is not None:
                 return self._load_layout(model_config, device_config, layout)
         decided = self.attachment(model_config, device_config)
         if decided.attached is None:
-            model = self._disk_loader().load_model(
-                model_config=model_config, device_config=device_config
-            )
-            model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
-            return model
+            return self._from_disk(model_config, device_config)
         device = _device(device_config)
         with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
             model = _initialize_model(model_config, self.load_config, None)
@@ -137,13 +148,16 @@ class WeightcacheModelLoader(BaseModelLoader):
         # SGLang's weight loaders (written for whole checkpoint tensors) would
         # shard again: only same-shaped parameters can be served then.
         tp_size = _tp_size()
-        with device:
-            report = load_from_daemon(
-                model,
-                tensors,
-                device,
-                engine_load_weights=model.load_weights if tp_size == 1 else None,
-            )
+        try:
+            with device:
+                report = load_from_daemon(
+                    model,
+                    tensors,
+                    device,
+                    engine_load_weights=model.load_weights if tp_size == 1 else None,
+                )
+        except IncompleteLoad as exc:
+            return self._instead_from_disk(model_config, device_config, str(exc))
         DefaultModelLoader.postprocess_weights(model, device)
         if not report.copied:
             post_load_weights(model)  # model.load_weights runs it when it was called
@@ -180,6 +194,10 @@ class WeightcacheModelLoader(BaseModelLoader):
                 checkpoint_files=checkpoint_files(local_model_dir(model_config.model_path)),
             )  # fmt: skip
         DefaultModelLoader.postprocess_weights(model, device)
+        missing = unfilled(model, layout.report)
+        if missing:  # never served: SGLang's own loader does it from disk
+            return self._instead_from_disk(model_config, device_config,
+                                           describe_unfilled(missing))  # fmt: skip
         self.layout_load = load = storage_report(model, layout.attached, own)
         attached = layout.attached
         log.info(
@@ -192,10 +210,39 @@ class WeightcacheModelLoader(BaseModelLoader):
         model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
         return model.eval()
 
+    def _from_disk(self, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        model = self._disk_loader().load_model(
+            model_config=model_config, device_config=device_config
+        )
+        model._derived_weight_cache_error = WEIGHT_UPDATES_REFUSED
+        return model
+
+    def _instead_from_disk(
+        self, model_config: ModelConfig, device_config: DeviceConfig, why: str
+    ) -> nn.Module:
+        """A load from the daemon that left ``why``: SGLang's default loader loads the model
+        from disk, and no daemon bytes count as this engine's. With ``fallback`` off, the
+        load fails saying why."""
+        if not self.settings.fallback:
+            raise NotServable(f"weightcache: the model loaded from the daemon is incomplete: "
+                              f"{why} (fallback is off)")  # fmt: skip
+        log.warning(
+            "weightcache: the model loaded from the daemon is incomplete, so SGLang's default "
+            "loader loads it from disk instead: %s", why,
+        )  # fmt: skip
+        self.reloaded = why
+        return self._from_disk(model_config, device_config)
+
     def layout(self, model_config: ModelConfig, device_config: DeviceConfig) -> LayoutDecision:
         """The target model's own layout from this rank's daemon, or why not (decided once
-        per process)."""
-        socket, candidates = self._target(model_config, device_config, self.settings)
+        per process); a model neither layout can give is loaded from disk (``disk``)."""
+        disk = _from_disk_only(model_config)
+        if disk is not None:
+            self._layout = from_disk(self.settings, "", disk)
+            return self._layout
+        socket, candidates = self._target(
+            model_config, device_config, self.settings, own_layout=True
+        )
         device = _device(device_config)
         self._layout = engine_layout(
             self.settings, socket, candidates, lambda: self._trace(model_config, device)
@@ -217,19 +264,20 @@ class WeightcacheModelLoader(BaseModelLoader):
                 log.info(DRAFT_FROM_DISK, model_config.model_path)
                 self._decided = Attachment("", None, "a draft model without a cache of its own")
                 return self._decided
+        disk = _from_disk_only(model_config)
+        if disk is not None:
+            self._decided = Attachment("", None, from_disk(settings, "", disk).disk)
+            return self._decided
         socket, candidates = self._target(model_config, device_config, settings)
         self._decided = attachment(settings, socket, candidates)
         return self._decided
 
     def _target(
-        self, model_config: ModelConfig, device_config: DeviceConfig, settings: AdapterSettings
-    ) -> tuple[str, list]:
-        """This rank's daemon socket and the configs it may hold."""
-        if model_config.quantization is not None:
-            raise ValueError(
-                f"weightcache does not serve quantized models ({model_config.quantization!r}): "
-                "their post-processing re-lays the weights into engine memory"
-            )
+        self, model_config: ModelConfig, device_config: DeviceConfig, settings: AdapterSettings,
+        *, own_layout: bool = False,
+    ) -> tuple[str, list]:  # fmt: skip
+        """This rank's daemon socket and the configs it may hold (for SGLang's
+        ``own_layout``: :func:`expected_configs`)."""
         device = _device(device_config)
         tp_size = _tp_size()
         tp_rank = self.load_config.tp_rank or 0
@@ -245,10 +293,21 @@ class WeightcacheModelLoader(BaseModelLoader):
             revision=model_config.revision,
         )
         uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
-        return settings.socket_for(uuid, tp_size), expected_configs(target)
+        return settings.socket_for(uuid, tp_size), expected_configs(target, own_layout=own_layout)
 
     def _disk_loader(self) -> DefaultModelLoader:
         return DefaultModelLoader(default_load_config(self.load_config))
+
+
+def _from_disk_only(model_config: ModelConfig) -> str | None:
+    """Why weightcache cannot give SGLang this model's weights in their final form (its
+    default loader then loads it from disk), or None."""
+    if model_config.quantization is not None:
+        return (
+            f"quantization {model_config.quantization!r}: its post-processing re-lays the "
+            "weights into SGLang's own memory"
+        )
+    return None
 
 
 def default_load_config(load_config: LoadConfig) -> LoadConfig:
@@ -268,13 +327,19 @@ def trace_sglang_load(
     """SGLang's loading and post-processing of a throwaway model built on meta, run against
     ``sources`` (the checkpoint's tensor table), as a plan: what the loader asks its daemon
     for, and what ``tools/plan_fixtures.py`` records as committed fixtures."""
-    with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
-        twin = _initialize_model(model_config, load_config, None)
-    return trace_load(
-        twin, sources,
-        lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
-        post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
-    )  # fmt: skip
+    from sglang.srt.layers.rotary_embedding import factory
+
+    # The real model is built after this one, from SGLang's rotary cache (``get_rope``
+    # hands one module per configuration to every model): it must find it as a cold start
+    # would (trace.isolated).
+    with isolated(caches=[factory._ROPE_DICT]):
+        with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
+            twin = _initialize_model(model_config, load_config, None)
+        return trace_load(
+            twin, sources,
+            lambda weights: DefaultModelLoader.load_weights_only(twin, weights, device),
+            post_process=lambda: DefaultModelLoader.postprocess_weights(twin, device),
+        )  # fmt: skip
 
 
 def _device(device_config: DeviceConfig) -> torch.device:

@@ -14,7 +14,10 @@ bytes from the parameters' own storages.
 
 Where no layout can be had, the daemon's checkpoint layout is mapped as
 before (:mod:`..loading`): tensors vLLM fuses are copied into engine memory
-by its own weight loaders. Quantized models are refused.
+by its own weight loaders. What neither layout can give (a quantized model:
+its post-processing re-lays the weights; parameters no checkpoint tensor
+fills), and a load that left a parameter without its value, vLLM's own
+``DefaultModelLoader`` loads from disk instead, with one WARNING saying why.
 """
 
 from __future__ import annotations
@@ -43,14 +46,19 @@ from weightcache.devices import gpu_uuid
 from weightcache.integrations.layouts import (
     LayoutDecision,
     LayoutLoad,
+    NotServable,
     describe_copied,
+    describe_unfilled,
     engine_layout,
+    from_disk,
     map_engine_layout,
     storage_report,
+    unfilled,
 )
 from weightcache.integrations.loading import (
     Attachment,
     EngineTarget,
+    IncompleteLoad,
     LoadReport,
     attachment,
     expected_configs,
@@ -59,7 +67,7 @@ from weightcache.integrations.loading import (
     still_mapped,
 )
 from weightcache.integrations.settings import AdapterSettings
-from weightcache.integrations.trace import TraceReport, trace_load
+from weightcache.integrations.trace import TraceReport, isolated, trace_load
 from weightcache.protocol import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -104,7 +112,9 @@ class WeightcacheModelLoader(BaseModelLoader):
         (the engine's weights, as a cold start counts them), else the daemon's checkpoint
         bytes, 0 for a disk load; plus a draft's from its own cache."""
         layout = self.layout(vllm_config)
-        if layout.attached is not None:
+        if layout.disk is not None:
+            total = 0  # vLLM's own loader: its weights are its own allocations
+        elif layout.attached is not None:
             total = layout.layout_bytes
         else:
             total = self.attachment(vllm_config, vllm_config.model_config).preloaded_weights_bytes
@@ -129,6 +139,8 @@ class WeightcacheModelLoader(BaseModelLoader):
     ) -> nn.Module:
         if model_config is vllm_config.model_config:
             layout = self.layout(vllm_config)
+            if layout.disk is not None:
+                return self._disk_loader().load_model(vllm_config, model_config, prefix)
             if layout.attached is not None:
                 return self._load_layout(vllm_config, model_config, prefix, layout)
         decided = self.attachment(vllm_config, model_config)
@@ -148,10 +160,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         name_map = mapper.map_name if mapper is not None else None
         tensors = decided.attached.tensors
-        with device:
-            report = load_from_daemon(
-                model, tensors, device, name_map=name_map, engine_load_weights=model.load_weights
-            )
+        try:
+            with device:
+                report = load_from_daemon(
+                    model, tensors, device, name_map=name_map,
+                    engine_load_weights=model.load_weights,
+                )  # fmt: skip
+        except IncompleteLoad as exc:
+            return self._instead_from_disk(vllm_config, model_config, prefix, str(exc))
         process_weights_after_loading(model, model_config, device)
         replaced = still_mapped(model, report, tensors, name_map)
         self.report, self.replaced = report, replaced
@@ -195,6 +211,10 @@ class WeightcacheModelLoader(BaseModelLoader):
                 checkpoint_files=checkpoint_files(model_dir),
             )  # fmt: skip
         process_weights_after_loading(model, model_config, device)
+        missing = unfilled(model, layout.report)
+        if missing:  # never served: vLLM's own loader does it from disk
+            return self._instead_from_disk(vllm_config, model_config, prefix,
+                                           describe_unfilled(missing))  # fmt: skip
         self.layout_load = load = storage_report(model, layout.attached, own)
         model.load_weights = _refuse_weight_updates  # instance attribute: this model only
         model.weightcache_read_only = True
@@ -208,13 +228,33 @@ class WeightcacheModelLoader(BaseModelLoader):
         )  # fmt: skip
         return model.eval()
 
+    def _instead_from_disk(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, why: str
+    ) -> nn.Module:
+        """A load from the daemon that left ``why``: vLLM's default loader loads the model
+        from disk (the bytes the worker took off its budget for the daemon then only make
+        the KV cache smaller). With ``fallback`` off, the load fails saying why."""
+        if not self.settings.fallback:
+            raise NotServable(f"weightcache: the model loaded from the daemon is incomplete: "
+                              f"{why} (fallback is off)")  # fmt: skip
+        log.warning(
+            "weightcache: the model loaded from the daemon is incomplete, so vLLM's default "
+            "loader loads it from disk instead: %s", why,
+        )  # fmt: skip
+        return self._disk_loader().load_model(vllm_config, model_config, prefix)
+
     def layout(self, vllm_config: VllmConfig) -> LayoutDecision:
         """The target model's own layout from this rank's daemon, or why not (decided once
-        per process)."""
+        per process); a model neither layout can give is loaded from disk (``disk``)."""
         model_config = vllm_config.model_config
         _check_supported(vllm_config, model_config)
+        disk = _from_disk_only(model_config)
+        if disk is not None:
+            return from_disk(self.settings, "", disk)
         device = _load_device(vllm_config, self.load_config)
-        socket, candidates = self._target(vllm_config, model_config, device, self.settings)
+        socket, candidates = self._target(
+            vllm_config, model_config, device, self.settings, own_layout=True
+        )
         return engine_layout(
             self.settings, socket, candidates,
             lambda: self._trace(vllm_config, model_config, device),
@@ -227,7 +267,9 @@ class WeightcacheModelLoader(BaseModelLoader):
         from vllm.config import set_current_vllm_config
 
         twin_config = copy.deepcopy(vllm_config)  # vLLM registers layers in its config
-        with set_current_vllm_config(twin_config):
+        # The real model is built after this one, from vLLM's rotary cache among others:
+        # it must find them as a cold start would (trace.isolated).
+        with isolated(caches=_process_caches()), set_current_vllm_config(twin_config):
             with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
                 twin = initialize_model(
                     vllm_config=twin_config, model_config=twin_config.model_config
@@ -251,15 +293,19 @@ class WeightcacheModelLoader(BaseModelLoader):
                 log.info(DRAFT_FROM_DISK, model_config.model)
                 return Attachment("", None, "a draft model without a cache of its own")
         _check_supported(vllm_config, model_config)
+        disk = _from_disk_only(model_config)
+        if disk is not None:
+            return Attachment("", None, from_disk(settings, "", disk).disk)
         device = _load_device(vllm_config, self.load_config)
         socket, candidates = self._target(vllm_config, model_config, device, settings)
         return attachment(settings, socket, candidates)
 
     def _target(
         self, vllm_config: VllmConfig, model_config: ModelConfig, device: torch.device,
-        settings: AdapterSettings,
+        settings: AdapterSettings, *, own_layout: bool = False,
     ) -> tuple[str, list]:  # fmt: skip
-        """This rank's daemon socket and the configs it may hold."""
+        """This rank's daemon socket and the configs it may hold (for vLLM's ``own_layout``:
+        :func:`expected_configs`)."""
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         target = EngineTarget(
             model_dir=local_model_dir(model_config.model),
@@ -273,12 +319,20 @@ class WeightcacheModelLoader(BaseModelLoader):
             revision=model_config.revision,
         )
         uuid = gpu_uuid(device.index or 0) if device.type == "cuda" else None
-        return settings.socket_for(uuid, tp_size), expected_configs(target)
+        return settings.socket_for(uuid, tp_size), expected_configs(target, own_layout=own_layout)
 
     def _disk_loader(self) -> DefaultModelLoader:
         return DefaultModelLoader(
             dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
         )
+
+
+def _process_caches() -> list[dict]:
+    """vLLM's process-wide caches of modules that building a model fills: its rotary
+    embeddings (``get_rope`` hands one module per configuration to every model)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    return [rotary_embedding._ROPE_DICT]
 
 
 def _refuse_weight_updates(weights: object = None, *args: object, **kwargs: object) -> None:
@@ -302,8 +356,20 @@ def _guard_runner_reloads() -> None:
     GPUModelRunner.reload_weights = reload_weights
 
 
+def _from_disk_only(model_config: ModelConfig) -> str | None:
+    """Why weightcache cannot give vLLM this model's weights in their final form (vLLM's
+    default loader then loads it from disk), or None."""
+    if model_config.quantization is not None:
+        return (
+            f"quantization {model_config.quantization!r}: its post-processing re-lays "
+            "the weights into vLLM's own memory"
+        )
+    return None
+
+
 def _check_supported(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
-    """Configurations whose weights the daemon's checkpoint tensors cannot serve."""
+    """Configurations that would write the weights in place, or that the daemon does not
+    shard for: refused, since they ask for what weightcache cannot give."""
     problems = []
     if model_config.enable_sleep_mode:
         problems.append(
@@ -312,11 +378,6 @@ def _check_supported(vllm_config: VllmConfig, model_config: ModelConfig) -> None
         )
     if getattr(vllm_config, "weight_transfer_config", None) is not None:
         problems.append("weight transfer (it writes every weight in place)")
-    if model_config.quantization is not None:
-        problems.append(
-            f"quantization {model_config.quantization!r} (its post-processing re-lays the "
-            "weights into engine memory)"
-        )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         problems.append("pipeline parallelism (the daemon shards by tensor-parallel rank only)")
     if problems:
