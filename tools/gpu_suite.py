@@ -124,7 +124,7 @@ def git(*args: str, repo: Path = REPO_ROOT) -> str | None:
 # ---------------------------------------------------------------- the record
 
 
-@dataclass
+@dataclass(eq=False)  # a pytest plugin: pluggy keeps plugins in sets, by identity
 class Outcomes:
     """Test outcomes as pytest reports them: a failure in any phase fails the test."""
 
@@ -220,6 +220,9 @@ def run(out: Path, expect_tree: str | None = None) -> int:
     os.environ.setdefault("WEIGHTCACHE_RESULTS_DIR", str(out.parent))
     argv = ["-rs", "-s", "-p", "no:cacheprovider", str(REPO_ROOT / "tests" / "gpu")]
     status = int(pytest.main(argv, plugins=[outcomes]))
+    if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        say(f"pytest ended with {pytest.ExitCode(status).name}: no record written")
+        return status
     result = record(outcomes.finished(), sidecar_tree, status, time.monotonic() - started)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
