@@ -24,6 +24,8 @@ MAX_STATUS_NODE_BYTES = 512 * 1024
 MAX_INT64 = (1 << 63) - 1
 # Node names a condition message lists before it only counts the rest.
 MAX_NAMED_NODES = 10
+# Generations the status lists (engine pods may bind themselves to any spec hash).
+MAX_STATUS_GENERATIONS = 8
 
 PHASE_PENDING = "Pending"
 PHASE_LOADING = "Loading"
@@ -36,6 +38,7 @@ RENDER_FAILED = "RenderFailed"
 POLICY_VIOLATION = "PolicyViolation"
 DAEMON_ERROR = "DaemonError"
 DAEMON_WARNING = "DaemonWarning"
+ENGINES_ON_OLD_WEIGHTS = "EnginesOnOldWeights"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ def build_status(
     pods: Iterable[DaemonPodView] = (),
     verdicts: Mapping[str, gate.Verdict] | None = None,
     previous: Mapping[str, NodeState] | None = None,
+    bound: Mapping[str, int] | None = None,
     node_label: str,
     now: str,
 ) -> Aggregate:
@@ -115,6 +119,7 @@ def build_status(
     DaemonSet made (`gate.controlled_pods`), unless the caller already has them.
     `previous` is what each node was when events were last posted; without it,
     the nodes the old status lists (a fleet's status lists only some).
+    `bound`: how many of the cache's engine pods run each generation (spec hash).
     """
     if verdicts is None:
         verdicts = node_verdicts(spec, spec_hash, pods)
@@ -141,8 +146,10 @@ def build_status(
     )
     resident_cond = _resident_condition(verdicts, ready, desired)
     degraded = _degraded_condition(verdicts, current)
+    generations = generation_entries(spec_hash, verdicts, bound or {})
     progressing = _progressing_condition(
-        observed, generation, daemonset, ready, desired, degraded["status"] == "True"
+        observed, generation, daemonset, ready, desired, degraded["status"] == "True",
+        generations,
     )
     ready_cond = _ready_condition(resident_cond, degraded, progressing, observed == generation)
     if desired == 0:
@@ -169,6 +176,7 @@ def build_status(
         "nodeLabel": node_label,
         "nodes": shown,
         "nodesOmitted": omitted,
+        "generations": generations,
         "conditions": merge_conditions(
             old_status.get("conditions") or [],
             [ready_cond, resident_cond, progressing, degraded],
@@ -228,9 +236,33 @@ def name_some(nodes: list[str]) -> str:
     return f"{named} and {more} more" if more > 0 else named
 
 
+def held_generation(verdict: gate.Verdict) -> str | None:
+    """The generation (spec hash) a node's deciding daemon pod reports holding."""
+    hashes = {r.spec_hash for r in (verdict.reports or {}).values() if r.spec_hash}
+    return next(iter(hashes)) if len(hashes) == 1 else None
+
+
+def generation_entries(
+    spec_hash: str, verdicts: Mapping[str, gate.Verdict], bound: Mapping[str, int]
+) -> list[dict[str, Any]]:
+    """Per generation: whether it is the spec's, on how many nodes a daemon holds it, and
+    how many engine pods are bound to it (why a retiring one is still wanted). The current
+    one first, then the most held; at most `MAX_STATUS_GENERATIONS`."""
+    held: dict[str, int] = defaultdict(int)
+    for verdict in verdicts.values():
+        g = held_generation(verdict)
+        if g is not None:
+            held[g] += 1
+    hashes = {spec_hash, *held, *(g for g, n in bound.items() if n > 0)}
+    ordered = sorted(hashes, key=lambda g: (g != spec_hash, -held.get(g, 0),
+                                            -bound.get(g, 0), g))
+    return [{"fingerprint": g, "current": g == spec_hash, "nodes": held.get(g, 0),
+             "enginePods": bound.get(g, 0)} for g in ordered[:MAX_STATUS_GENERATIONS]]
+
+
 def _progressing_condition(
     observed: int | None, generation: int, daemonset: DaemonSetView | None,
-    ready: int, desired: int, degraded: bool,
+    ready: int, desired: int, degraded: bool, generations: list[dict[str, Any]],
 ) -> dict[str, Any]:
     if observed != generation:
         return condition("Progressing", True, "Applying", f"applying generation {generation}")
@@ -244,6 +276,12 @@ def _progressing_condition(
         )
     if ready < desired and not degraded:
         return condition("Progressing", True, "Loading", f"{ready}/{desired} nodes verified")
+    retiring = [g for g in generations if not g["current"] and g["enginePods"]]
+    if retiring:
+        detail = "; ".join(f"{g['enginePods']} engine pod(s) run {g['fingerprint'][:12]}, "
+                           f"held on {g['nodes']} node(s)" for g in retiring)
+        return condition("Progressing", True, ENGINES_ON_OLD_WEIGHTS,
+                         f"engines still bound to an earlier model: {detail}")
     return condition("Progressing", False, "Complete" if ready == desired else "Stalled", "")
 
 
@@ -290,6 +328,9 @@ def _node_entry(spec: WeightCacheSpec, node: str, verdict: gate.Verdict) -> dict
     }
     if verdict.pod:
         entry["pod"] = verdict.pod
+    held = held_generation(verdict)
+    if held is not None:
+        entry["specHash"] = held
     return entry
 
 

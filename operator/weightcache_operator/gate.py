@@ -7,6 +7,7 @@ the pod's `weightcache.dev/weights-resident` condition. Both are pure.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ FINGERPRINT_MISMATCH = "FingerprintMismatch"
 BYTES_BELOW_EXPECTED = "BytesBelowExpected"
 POD_NOT_SCHEDULED = "PodNotScheduled"
 NO_WEIGHTCACHE = "NoWeightCache"
+BINDING_INVALID = "BindingInvalid"
 
 # A daemon pod that was Ready and goes NotReady while its containers keep running (no
 # restart) and its own reports still say the weights are resident keeps its node's gates
@@ -31,6 +33,9 @@ NO_WEIGHTCACHE = "NoWeightCache"
 # while a daemon that stays NotReady closes them 30 s later. A restart, a report that is no
 # longer Ready, or a pod that never was Ready gets no grace.
 FLAP_SECONDS = 30.0
+
+# A generation is named by its spec hash (spec.spec_hash), as daemons report it.
+SPEC_HASH_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,13 @@ def controlled_pods(
 
 def evaluate_pod(
     spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView, now: float | None = None,
-    was_ready: bool = False, flap_seconds: float = FLAP_SECONDS,
+    was_ready: bool = False, flap_seconds: float = FLAP_SECONDS, wanted_by: str = "cache",
 ) -> Verdict:
     """Verdict for one daemon pod; the checks run in the order a reader would debug them.
 
-    `was_ready`: the pod was seen Ready with the restart count it has now; with `now`
+    `spec_hash` is the generation wanted: the cache's current one, or the one an engine
+    pod is bound to (`wanted_by="pod"`: the pod runs those weights, whatever the spec says
+    now). `was_ready`: the pod was seen Ready with the restart count it has now; with `now`
     (seconds since the epoch) it may be held open through a flap (`FLAP_SECONDS`).
     """
 
@@ -109,7 +116,8 @@ def evaluate_pod(
             return fail(
                 FINGERPRINT_MISMATCH,
                 f"holds weights for spec {entry.spec_hash[:12] or '<none>'}, "
-                f"the WeightCache wants {spec_hash[:12]}",
+                + (f"the WeightCache wants {spec_hash[:12]}" if wanted_by == "cache" else
+                   f"the engine pod is bound to {spec_hash[:12]}"),
                 reports,
             )
     if len(reports) < spec.slots:
@@ -151,21 +159,37 @@ def evaluate_pod(
 def evaluate_node(
     spec: WeightCacheSpec, spec_hash: str, pods: Iterable[DaemonPodView],
     now: float | None = None, was_ready: Callable[[DaemonPodView], bool] = lambda _: False,
-    flap_seconds: float = FLAP_SECONDS,
+    flap_seconds: float = FLAP_SECONDS, wanted_by: str = "cache",
 ) -> Verdict:
-    """Verdict for a node from all of the cache's daemon pods on it.
+    """Verdict for a node from all of the cache's daemon pods on it, for the generation
+    `spec_hash` (see `evaluate_pod`).
 
     During a DaemonSet rollout a node briefly has an old and a new pod; either
     one holding the right weights is enough. Otherwise the pod that should win
-    (current template, alive, newest) explains why the node is not ready.
+    (of the wanted generation, alive, newest) explains why the node is not ready.
     """
     ordered = sorted(pods, key=lambda p: (p.created, p.name), reverse=True)
     ordered.sort(key=lambda p: (p.terminating, p.spec_hash != spec_hash))
     if not ordered:
         return Verdict(False, NO_DAEMON_ON_NODE, "no daemon pod of this cache on the node")
-    verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds)
+    verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds, wanted_by)
                 for p in ordered]
     return next((v for v in verdicts if v.ok), verdicts[0])
+
+
+def bound_generation(binding: str | None, current: str) -> str:
+    """The generation an engine pod's gate is judged for: the spec hash its binding
+    annotation names, else (an unbound pod: no webhook admitted it) the cache's current
+    one. `InvalidBinding` for a value that is no spec hash."""
+    if binding is None:
+        return current
+    if not SPEC_HASH_RE.fullmatch(binding):
+        raise InvalidBinding(f"{binding[:80]!r} is not a spec hash (64 lowercase hex digits)")
+    return binding
+
+
+class InvalidBinding(ValueError):
+    """An engine pod's binding annotation names no generation."""
 
 
 def gate_condition(node: str | None, verdicts: Mapping[str, Verdict]) -> Condition:

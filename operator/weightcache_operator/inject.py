@@ -15,7 +15,12 @@ what is missing, so a second admission changes nothing:
   daemon uid the engine must see on the socket (`SO_PEERCRED`);
 - the daemon's group in the pod's `supplementalGroups`: the socket directory
   is 0750 and the socket 0660 in that group, and the daemon admits a peer by
-  that group (`SO_PEERGROUPS`) whatever the pod's own uid and gid.
+  that group (`SO_PEERGROUPS`) whatever the pod's own uid and gid;
+- the binding `weights.weightcache.dev/<namespace>.<name>: <spec hash>`: the
+  generation of the cache at admission, the weights the pod will run. Its gate
+  then opens only where a daemon holds that generation, whatever the spec says
+  later (a model change does not close the gates of pods still served). A pod
+  that brings the annotation keeps its value, which must be a spec hash.
 
 A label naming a cache that does not exist, or one the pod's namespace may
 not use, is refused (`Refused`), never passed through ungated.
@@ -29,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
+from .gate import SPEC_HASH_RE
 from .render import CONTAINER_SOCKET_ROOT
-from .spec import DNS_LABEL_RE, DNS_SUBDOMAIN_RE, SpecError, parse_spec
+from .spec import DNS_LABEL_RE, DNS_SUBDOMAIN_RE, SpecError, parse_spec, spec_hash
 from .views import CacheView
 
 VOLUME = "weightcache-sockets"
@@ -61,6 +67,12 @@ class Injection:
     name: str
     daemon_uid: int
     daemon_gid: int
+    # The cache's generation at admission: what the pod is bound to.
+    spec_hash: str
+
+    @property
+    def binding_key(self) -> str:
+        return names.binding_key(self.namespace, self.name)
 
     @property
     def directory(self) -> str:
@@ -115,7 +127,22 @@ def decide(pod_namespace: str, want: Wanted, cache: CacheView | None) -> Injecti
         raise Refused(f"namespace {pod_namespace} may not use WeightCache {ref} (it is not "
                       "the cache's namespace, nor listed in its spec.engine.namespaces)")
     return Injection(cache.namespace, cache.name, spec.sidecar.run_as_user,
-                     spec.sidecar.run_as_group)
+                     spec.sidecar.run_as_group, spec_hash(spec))
+
+
+def added_annotations(annotations: Mapping[str, str], injection: Injection) -> dict[str, str]:
+    """The binding to add: the cache's generation now, unless the pod brings one.
+
+    A value brought that names no generation is refused (400), so a typo never
+    leaves a pod that no daemon can ever open.
+    """
+    brought = annotations.get(injection.binding_key)
+    if brought is None:
+        return {injection.binding_key: injection.spec_hash}
+    if not SPEC_HASH_RE.fullmatch(brought):
+        raise Refused(f"annotation {injection.binding_key}: {brought[:80]!r} is not a spec hash "
+                      "(64 lowercase hex digits, as the cache's status.fingerprint)", 400)
+    return {}
 
 
 def mutated_spec(pod_spec: Mapping[str, Any], injection: Injection) -> dict[str, Any]:

@@ -15,6 +15,9 @@ NODE_LABEL_PREFIX = f"{GROUP}/"
 NODE_LABEL_READY = "Ready"
 
 CACHE_LABEL = f"{GROUP}/cache"
+# An engine pod's binding to the weights it runs, per cache: the spec hash of the cache's
+# generation (binding_key). The webhook writes it at admission where the pod has none.
+BINDING_PREFIX = f"weights.{GROUP}/"
 # Daemon DaemonSets and pods live in the daemon (system) namespace, not the cache's:
 # this label names the cache's namespace, the annotation its uid (owner references
 # cannot cross namespaces).
@@ -63,6 +66,12 @@ def node_label_name(namespace: str, name: str) -> str:
 
 def node_label_key(namespace: str, name: str) -> str:
     return NODE_LABEL_PREFIX + node_label_name(namespace, name)
+
+
+def binding_key(namespace: str, name: str) -> str:
+    """The engine pod annotation that binds it to the weights it runs:
+    `weights.weightcache.dev/<namespace>.<name>: <spec hash>` (one per cache)."""
+    return BINDING_PREFIX + node_label_name(namespace, name)
 
 
 def daemonset_name(namespace: str, name: str) -> str:

@@ -119,8 +119,8 @@ class Reconciler:
     # Per (uid, generation): the parsed spec and hash, and the rendered DaemonSet.
     _parsed: dict[tuple[str, int], Parsed | SpecError] = field(default_factory=dict)
     _rendered: dict[tuple[str, int], Rendered | render.RenderError] = field(default_factory=dict)
-    # Per (cache uid, node): the node's last verdict.
-    _judged: dict[tuple[str, str], _Judged] = field(default_factory=dict)
+    # Per (cache uid, node, generation wanted): the node's last verdict.
+    _judged: dict[tuple[str, str, str], _Judged] = field(default_factory=dict)
     # Per daemon pod uid: its restart count when last seen Ready (a flap needs the same).
     _ready_restarts: dict[str, int] = field(default_factory=dict)
     # Per (cache uid, node): the pass due when a flap's grace ends.
@@ -161,12 +161,18 @@ class Reconciler:
 
         return _memo(self._rendered, cache, build)
 
-    def verdict(self, state: State, cache: views.CacheView, node: str) -> gate.Verdict:
-        """The cache's verdict on one node, judged again only when its daemon pods changed."""
+    def verdict(self, state: State, cache: views.CacheView, node: str,
+                generation: str | None = None) -> gate.Verdict:
+        """The cache's verdict on one node, judged again only when its daemon pods changed.
+
+        `generation`: the spec hash wanted, when an engine pod is bound to another one than
+        the cache's current spec (gate.bound_generation).
+        """
         parsed = self.parsed(cache)
         if isinstance(parsed, SpecError):
             return gate.Verdict(False, aggregate.INVALID_SPEC, str(parsed))
-        spec, digest = parsed
+        spec, current = parsed
+        digest = generation or current
         pods = state.daemon_pods_on(cache, node)
         now = self.clock()
         if len(self._ready_restarts) >= VERDICT_MEMO_LIMIT:
@@ -174,14 +180,14 @@ class Reconciler:
         for pod in pods:
             if pod.ready and pod.uid:
                 self._ready_restarts[pod.uid] = pod.restarts
-        key = (cache.uid, node)
+        key = (cache.uid, node, digest)
         judged = self._judged.get(key)
         if judged is not None and judged.holds_for(cache.generation, pods, now):
             return judged.verdict
         verdict = gate.evaluate_node(
             spec, digest, pods, now,
             lambda p: p.uid in self._ready_restarts and self._ready_restarts[p.uid] == p.restarts,
-            self.flap_seconds,
+            self.flap_seconds, "cache" if digest == current else "pod",
         )
         if len(self._judged) >= VERDICT_MEMO_LIMIT:
             self._judged.clear()
@@ -524,9 +530,25 @@ class Reconciler:
             daemonset=state.daemonset(cache),
             verdicts=verdicts,
             previous=previous,
+            bound=self._bound_counts(state, cache, spec, digest),
             node_label=names.node_label_key(cache.namespace, cache.name),
             now=now,
         )
+
+    def _bound_counts(self, state: State, cache: views.CacheView, spec: WeightCacheSpec,
+                      current: str) -> dict[str, int]:
+        """How many of the cache's live engine pods run each generation."""
+        annotation = names.binding_key(cache.namespace, cache.name)
+        counts: dict[str, int] = {}
+        for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
+            if pod.terminating or not _selects(cache, spec, pod):
+                continue
+            try:
+                generation = gate.bound_generation(pod.bindings.get(annotation), current)
+            except gate.InvalidBinding:
+                continue
+            counts[generation] = counts.get(generation, 0) + 1
+        return counts
 
     async def _write_status(self, cache: views.CacheView, result: aggregate.Aggregate) -> None:
         current = self.statuses.current(cache.uid, cache.status, cache.resource_version)
@@ -567,12 +589,21 @@ class Reconciler:
                 continue
             key = cache.name if cache.namespace == pod.namespace else (
                 f"{cache.namespace}/{cache.name}")
-            verdicts[key] = (
-                self.verdict(state, cache, pod.node)
-                if pod.node
-                else gate.Verdict(False, gate.POD_NOT_SCHEDULED, "")
-            )
+            verdicts[key] = self._bound_verdict(state, cache, parsed[1], pod)
         return verdicts
+
+    def _bound_verdict(self, state: State, cache: views.CacheView, current: str,
+                       pod: views.EnginePodView) -> gate.Verdict:
+        """The verdict on the pod's node for the generation the pod is bound to."""
+        annotation = names.binding_key(cache.namespace, cache.name)
+        try:
+            generation = gate.bound_generation(pod.bindings.get(annotation), current)
+        except gate.InvalidBinding as exc:
+            return gate.Verdict(False, gate.BINDING_INVALID, f"annotation {annotation}: {exc}")
+        if not pod.node:
+            return gate.Verdict(False, gate.POD_NOT_SCHEDULED, "")
+        return self.verdict(state, cache, pod.node,
+                            None if generation == current else generation)
 
     async def _patch_labels(self, node: str, patch: Mapping[str, str | None]) -> None:
         if not patch:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import datetime
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightcache.report import ANNOTATION_PREFIX, MAX_ANNOTATION_BYTES, MAX_DEVICES
@@ -80,6 +80,9 @@ class EnginePodView:
     # namespace (its annotation `weightcache.dev/cache-namespace`, else the pod's).
     cache: str = ""
     cache_namespace: str = ""
+    # The weights the pod runs, per cache: its `weights.weightcache.dev/<ns>.<name>`
+    # annotations (names.binding_key), as written (gate.bound_generation reads them).
+    bindings: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,8 @@ def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
         cache=(meta.get("labels") or {}).get(names.CACHE_LABEL, ""),
         cache_namespace=(meta.get("annotations") or {}).get(names.CACHE_NAMESPACE_LABEL)
         or meta.get("namespace", ""),
+        bindings={k: str(v) for k, v in (meta.get("annotations") or {}).items()
+                  if k.startswith(names.BINDING_PREFIX)},
     )
 
 

@@ -56,8 +56,11 @@ async def inject_engine_pod(
             body = await memo.reconciler.kube.read_cache(want.namespace, want.name)
             cache = views.cache_view(body) if body is not None else None
         injection = inject.decide(namespace, want, cache)
+        bindings = inject.added_annotations(meta.get("annotations") or {}, injection)
     except inject.Refused as refused:
         raise kopf.AdmissionError(str(refused), code=refused.code) from None
+    for key, value in bindings.items():
+        patch.meta.annotations[key] = value
     current = dict(spec)
     for key, value in inject.mutated_spec(current, injection).items():
         if current.get(key) != value:

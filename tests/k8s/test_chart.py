@@ -335,7 +335,7 @@ def test_operator_with_chart_rbac_gates_the_rollout(
         assert gate_of(v2) == ("True", "WeightsResident") and is_ready(v2)
         assert eventually("the node is labelled", flow.label) == "Ready"
         header = kubectl(cluster, "get", "wc", "-n", ns).splitlines()[0].split()
-        assert header == ["NAME", "READY", "PHASE", "RESIDENT", "TRANSPORT", "AGE"]
+        assert header == ["NAME", "READY", "PHASE", "RESIDENT", "TRANSPORT", "ROLLOUT", "AGE"]
 
         # A daemon holding weights for another spec closes the gate again.
         flow.stop_daemons()

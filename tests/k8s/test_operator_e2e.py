@@ -70,7 +70,7 @@ def test_rollout_waits_for_verified_weights(scene: Scene, api: Api,
     assert node_entry(status)["reason"] == "DaemonNotReady"
     assert (status["phase"], status["ready"]) == ("Loading", "0/1")
     header, row = scene.wc_table()
-    assert header == ["NAME", "READY", "PHASE", "RESIDENT", "TRANSPORT", "AGE"]
+    assert header == ["NAME", "READY", "PHASE", "RESIDENT", "TRANSPORT", "ROLLOUT", "AGE"]
     assert row[:5] == [name, "0/1", "Loading", "0B", "memfd"]
 
     # Engines serve before the cache exists; the new version adds the gate.

@@ -34,11 +34,13 @@ from tests.k8s.operator_flow import (
     gate_of,
     install_operator_account,
     is_ready,
+    minilm_dir,
     operator_policy,
 )
 from tools.testenv import pki
 from tools.testenv.cluster import Cluster
 from tools.testenv.procs import free_ports
+from weightcache.report import SPEC_HASH_ENV
 from weightcache_operator import inject, names
 
 pytestmark = pytest.mark.k8s
@@ -134,6 +136,59 @@ def test_a_labelled_pod_gets_what_it_needs_and_is_gated(scene: Scene, api: Api) 
         api.core.read_namespaced_pod("one-label", ns)) == ("True", "WeightsResident"))
     eventually("the pod Ready once its gate is open",
                lambda: is_ready(api.core.read_namespaced_pod("one-label", ns)))
+
+
+def test_a_pod_is_bound_to_the_weights_of_its_admission_and_judged_by_them(
+    scene: Scene, api: Api
+) -> None:
+    """A model change (issue 36): each pod's gate follows the generation it was admitted
+    with, not the spec of the moment; `kubectl get wc` shows engines left on the old one."""
+    ns, name = scene.namespace, scene.name
+    key = names.binding_key(ns, name)
+    scene.apply_cache()
+    v1 = scene.spec_hash()
+    on_v1 = create(api, labelled_pod(ns, "on-v1", name, scene.node))
+    assert on_v1.metadata.annotations[key] == v1
+    first = scene.start_daemon()
+    eventually("the v1 pod's gate opens", lambda: gate_of(
+        api.core.read_namespaced_pod("on-v1", ns)) == ("True", "WeightsResident"))
+
+    scene.apply_cache(model={"path": str(minilm_dir()), "revision": "v2"})
+    v2 = eventually("the DaemonSet renders the new model",
+                    lambda: (digest := scene.spec_hash()) != v1 and digest)
+    on_v2 = create(api, labelled_pod(ns, "on-v2", name, scene.node))
+    assert on_v2.metadata.annotations[key] == v2
+    # A pod that brings its binding keeps it; one that names no generation is refused.
+    pinned = labelled_pod(ns, "pinned-v1", name, scene.node)
+    pinned["metadata"]["annotations"] = {key: v1}
+    assert create(api, pinned).metadata.annotations[key] == v1
+    typo = labelled_pod(ns, "typo", name, scene.node)
+    typo["metadata"]["annotations"] = {key: "v2"}
+    err = refused(api, typo)
+    assert err.status == 400 and key in err.body
+
+    first.stop()
+    eventually("only the new model's daemon pod runs", lambda: all(
+        pod_spec_hash(p) == v2 for p in api.daemon_pods(ns, name)
+        if p.metadata.deletion_timestamp is None) and scene.daemon_pod())
+    scene.start_daemon(spec_hash=v2)
+    eventually("the v2 pod's gate opens", lambda: gate_of(
+        api.core.read_namespaced_pod("on-v2", ns)) == ("True", "WeightsResident"))
+    for pod in ("on-v1", "pinned-v1"):
+        eventually(f"{pod}'s gate is closed: no daemon holds its weights", lambda pod=pod: gate_of(
+            api.core.read_namespaced_pod(pod, ns)) == ("False", "FingerprintMismatch"))
+    status = scene.status_where("the status counts the pods left on v1", lambda s: any(
+        g["fingerprint"] == v1 and g["enginePods"] == 2 for g in s.get("generations") or []))
+    assert status["generations"][0] == {"fingerprint": v2, "current": True, "nodes": 1,
+                                        "enginePods": 1}
+    header, row = scene.wc_table()
+    assert row[header.index("ROLLOUT")] == "EnginesOnOldWeights"
+
+
+def pod_spec_hash(pod: k8s.V1Pod) -> str | None:
+    """The spec hash a daemon pod was rendered for (its template's environment)."""
+    return next((e.value for c in pod.spec.containers for e in c.env or []
+                 if e.name == SPEC_HASH_ENV), None)
 
 
 def test_every_pod_the_webhook_is_sent_is_injected_or_refused_never_passed(

@@ -49,7 +49,7 @@ def test_names_and_presentation(crd: dict[str, Any]) -> None:
     assert version["name"] == names.VERSION
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Phase", "Resident", "Transport", "Age"]
+    assert columns == ["Ready", "Phase", "Resident", "Transport", "Rollout", "Age"]
 
 
 @pytest.mark.parametrize(

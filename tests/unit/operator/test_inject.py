@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from weightcache_operator import inject, names
+from weightcache_operator.spec import parse_spec, spec_hash
 from weightcache_operator.views import CacheView
 
 SPEC = {"model": {"path": "/models/m"}, "device": "cpu",
@@ -103,3 +104,21 @@ def test_another_namespace_is_refused_unless_the_cache_lists_it() -> None:
         inject.decide("intruder", want, cache())
     listed = cache(engine={"namespaces": ["serving"]})
     assert inject.decide("serving", want, listed).mount_path == "/run/wc/team.minilm"
+
+
+def test_a_pod_is_bound_to_the_caches_generation_at_admission() -> None:
+    """The weights a pod will run are those of the cache's spec when it is admitted; its
+    gate follows them through a later model change (issue 36)."""
+    found = injection()
+    key = names.binding_key("team", "minilm")
+    assert found.spec_hash == spec_hash(parse_spec(SPEC))
+    assert inject.added_annotations({}, found) == {key: found.spec_hash}
+    # Brought by the author (pinned in the template) or by an earlier admission: kept.
+    assert inject.added_annotations({key: "b" * 64}, found) == {}
+    upgraded = inject.decide("team", inject.wanted("team", {names.CACHE_LABEL: "minilm"}, {}),
+                             cache(model={"path": "/models/m2"}))
+    assert upgraded.spec_hash != found.spec_hash
+    for brought in ("v2", "B" * 64, found.spec_hash[:63]):
+        with pytest.raises(inject.Refused) as info:
+            inject.added_annotations({key: brought}, found)
+        assert info.value.code == 400 and key in str(info.value)

@@ -659,3 +659,124 @@ def test_a_hand_edited_pod_template_is_restored_whole_then_applied(
     assert [k for k, _ in kube.writes] == ["daemonset"]
     assert kube.applied[-1]["metadata"]["annotations"][names.POD_SHAPES_ANNOTATION] == (
         f"{SHAPE},s0")
+
+
+# --------------------------------------------------------------------------- model upgrades
+
+V2_SPEC = {**SPEC, "model": {"path": "/models/m2"}}
+V2 = spec_hash(parse_spec(V2_SPEC))
+TWO_NODES = ("node-a", "node-b")
+
+
+def bound_engine(name: str, node: str, generation: str | None,
+                 gate_now: Condition | None = None) -> EnginePodView:
+    """An engine pod bound (as the webhook binds it) to the weights of `generation`."""
+    bindings = {} if generation is None else {names.binding_key(NS, NAME): generation}
+    return EnginePodView(NS, name, f"uid-{name}", {"app": "engine"}, node, gate_now, False,
+                         "1", bindings=bindings)
+
+
+def progressing(status: Mapping[str, Any]) -> tuple[str, str]:
+    cond = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    return cond["status"], cond["reason"]
+
+
+def upgrade_scene(spec: dict, held: dict[str, str], engines: list[EnginePodView],
+                  applied: int = 1) -> State:
+    """Two nodes; `held[node]` is the generation that node's daemon pod reports holding."""
+    def pod(node: str) -> DaemonPodView:
+        reports = annotations(device_report("cpu", held[node], node))
+        return dataclasses.replace(daemon_pod(f"wc-{node}", reports=reports, node=node),
+                                   spec_hash=held[node])
+
+    by_node: dict[tuple[str, str | None], list[EnginePodView]] = {}
+    for e in engines:
+        by_node.setdefault((e.namespace, e.node), []).append(e)
+    return State(
+        caches={NS: [cache(generation=1 if spec is SPEC else 2, spec=spec)]},
+        daemonsets={(NS, NAME): [daemonset(applied=applied)]},
+        daemon_pods_index={(NS, NAME, node): [pod(node)] for node in held},
+        engine_pods_index=by_node,
+        nodes={node: [NodeView(node, frozenset(), "1")] for node in held},
+        daemon_namespace=SYSTEM,
+    )
+
+
+def gates_after(reconciler: Reconciler, kube: RecordingKube, st: State) -> dict[str, str]:
+    run(reconciler.cache(st, NS, NAME))
+    return {name: kube.conditions[name].status for name in kube.conditions}
+
+
+def test_a_model_change_closes_no_gate_of_pods_whose_weights_are_still_resident(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """The probe of the model-upgrade issue: spec v1 → v2 with engines serving v1.
+
+    Once, editing the spec closed every engine's gate in the fleet at once
+    (FingerprintMismatch), and once the daemons held v2 the same v1 engines were
+    reported resident while no daemon held their weights any more.
+    """
+    v1_engines = [bound_engine(f"v1-{n}", n, DIGEST) for n in TWO_NODES]
+    steady = upgrade_scene(SPEC, {n: DIGEST for n in TWO_NODES}, v1_engines)
+    assert gates_after(reconciler, kube, steady) == {"v1-node-a": "True", "v1-node-b": "True"}
+
+    # The spec is edited; the daemons still hold v1 and the engines still run it.
+    edited = upgrade_scene(V2_SPEC, {n: DIGEST for n in TWO_NODES}, v1_engines)
+    assert gates_after(reconciler, kube, edited) == {"v1-node-a": "True", "v1-node-b": "True"}
+    status = kube.of("status")[-1]
+    assert status["generations"] == [
+        {"fingerprint": V2, "current": True, "nodes": 0, "enginePods": 0},
+        {"fingerprint": DIGEST, "current": False, "nodes": 2, "enginePods": 2},
+    ]
+    assert progressing(status) == ("True", "Applying")
+
+    # node-a's daemon now holds v2 and a v2 engine started there; node-b still holds v1.
+    rolled = upgrade_scene(V2_SPEC, {"node-a": V2, "node-b": DIGEST},
+                           [*v1_engines, bound_engine("v2-node-a", "node-a", V2)])
+    assert gates_after(reconciler, kube, rolled) == {
+        "v1-node-a": "False", "v1-node-b": "True", "v2-node-a": "True"}
+    closed = kube.conditions["v1-node-a"]
+    assert closed.reason == gate.FINGERPRINT_MISMATCH
+    assert f"bound to {DIGEST[:12]}" in closed.message
+    by_node = {n["name"]: n for n in kube.of("status")[-1]["nodes"]}
+    assert (by_node["node-a"]["specHash"], by_node["node-b"]["specHash"]) == (V2, DIGEST)
+
+    # Every daemon holds v2; one v1 engine pod is left: the rollout is not over.
+    done = upgrade_scene(V2_SPEC, {n: V2 for n in TWO_NODES},
+                         [v1_engines[1], bound_engine("v2-node-a", "node-a", V2)], applied=2)
+    assert gates_after(reconciler, kube, done)["v1-node-b"] == "False"
+    status = kube.of("status")[-1]
+    assert progressing(status) == ("True", aggregate.ENGINES_ON_OLD_WEIGHTS)
+    assert status["phase"] == "Ready"
+    assert status["generations"][1] == {
+        "fingerprint": DIGEST, "current": False, "nodes": 0, "enginePods": 1}
+
+
+def test_a_rollback_opens_at_once_where_the_old_weights_are_still_held(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Back to v1 mid-rollout: node-b never left v1, so a pod bound to v1 there (and an
+    unbound one, judged by the spec of the moment) opens in the same pass; node-a holds
+    v2 and opens nothing of v1."""
+    engines = [bound_engine("v1-node-b", "node-b", DIGEST), bound_engine("v1-node-a", "node-a",
+               DIGEST), bound_engine("unbound-b", "node-b", None)]
+    mid = upgrade_scene(V2_SPEC, {"node-a": V2, "node-b": DIGEST}, engines)
+    assert gates_after(reconciler, kube, mid) == {
+        "v1-node-a": "False", "v1-node-b": "True", "unbound-b": "False"}
+    back = upgrade_scene(SPEC, {"node-a": V2, "node-b": DIGEST}, engines)
+    back.caches[NS][0] = cache(generation=3, spec=SPEC)  # type: ignore[index]
+    assert gates_after(reconciler, kube, back) == {
+        "v1-node-a": "False", "v1-node-b": "True", "unbound-b": "True"}
+
+
+def test_a_binding_that_names_no_generation_keeps_the_gate_closed(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    st = upgrade_scene(SPEC, {n: DIGEST for n in TWO_NODES},
+                       [bound_engine("typo", "node-a", DIGEST[:12]),
+                        bound_engine("stranger", "node-b", "0" * 64)])
+    assert gates_after(reconciler, kube, st) == {"typo": "False", "stranger": "False"}
+    assert kube.conditions["typo"].reason == gate.BINDING_INVALID
+    assert names.binding_key(NS, NAME) in kube.conditions["typo"].message
+    # A well-formed hash no daemon holds opens nothing either.
+    assert kube.conditions["stranger"].reason == gate.FINGERPRINT_MISMATCH

@@ -67,6 +67,10 @@ def test_engine_pod_gate_detection_and_view() -> None:
     assert view.node is None and view.labels == {"app": "e"}
     body["status"] = {}
     assert views.engine_pod_view(body).gate is None
+    assert view.bindings == {}
+    key = names.binding_key("ns", "wc")
+    body["metadata"]["annotations"] = {key: "a" * 64, "weightcache.dev/other": "x"}
+    assert views.engine_pod_view(body).bindings == {key: "a" * 64}
 
 
 def test_daemonset_view() -> None:
