@@ -128,6 +128,34 @@ def test_preloaded_weights_bytes_are_zero_when_falling_back(model_config) -> Non
     assert runner_with(loader).preloaded_weights_bytes == 0
 
 
+def test_a_quantized_model_goes_to_sglangs_own_loader_never_stopping_it(
+    memfd_daemon, model_config, caplog
+) -> None:
+    """Its post-processing re-lays the weights into SGLang's own memory: SGLang's default
+    loader loads it from disk (0 preloaded bytes), one WARNING says why, the daemon is
+    never asked; with ``fallback`` off the start fails saying why (issue 33, item 5)."""
+    import copy
+
+    from weightcache.integrations.layouts import NotServable
+
+    quantized = copy.copy(model_config)
+    quantized.quantization = "fp8"
+    before = memfd_daemon.status()
+    with caplog.at_level("WARNING", logger="weightcache"):
+        loader = loader_for({"socket": memfd_daemon.socket})
+        assert loader.layout(quantized, CPU).disk is not None
+        assert loader.attachment(quantized, CPU).attached is None
+        assert runner_with(loader).preloaded_weights_bytes == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "weightcache: the engine's default loader loads the model from disk: quantization "
+        "'fp8': its post-processing re-lays the weights into SGLang's own memory"
+    ]
+    assert memfd_daemon.status().fingerprint == before.fingerprint  # never asked
+    with pytest.raises(NotServable, match="quantization 'fp8'.*fallback is off"):
+        loader_for({"socket": memfd_daemon.socket, "fallback": False}).layout(quantized, CPU)
+
+
 def test_account_preloaded_weights_gives_the_cold_start_baseline(memfd_daemon, model_config):
     loader = loader_for({"socket": memfd_daemon.socket})
     loader.attachment(model_config, CPU)
