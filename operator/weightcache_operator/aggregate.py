@@ -176,7 +176,8 @@ def build_status(
         "nodeLabel": node_label,
         "nodes": shown,
         "nodesOmitted": omitted,
-        "generations": generations,
+        "generations": generations[:MAX_STATUS_GENERATIONS],
+        "generationsOmitted": max(0, len(generations) - MAX_STATUS_GENERATIONS),
         "conditions": merge_conditions(
             old_status.get("conditions") or [],
             [ready_cond, resident_cond, progressing, degraded],
@@ -237,9 +238,13 @@ def name_some(nodes: list[str]) -> str:
 
 
 def held_generation(verdict: gate.Verdict) -> str | None:
-    """The generation (spec hash) a node's deciding daemon pod reports holding."""
-    hashes = {r.spec_hash for r in (verdict.reports or {}).values() if r.spec_hash}
-    return next(iter(hashes)) if len(hashes) == 1 else None
+    """The generation (spec hash) a node's deciding daemon pod holds: every GPU it reports
+    Ready with the same hash (one still loading holds nothing yet)."""
+    reports = list((verdict.reports or {}).values())
+    hashes = {r.spec_hash for r in reports}
+    if len(hashes) != 1 or not all(r.state == "Ready" for r in reports):
+        return None
+    return next(iter(hashes)) or None
 
 
 def generation_entries(
@@ -247,7 +252,8 @@ def generation_entries(
 ) -> list[dict[str, Any]]:
     """Per generation: whether it is the spec's, on how many nodes a daemon holds it, and
     how many engine pods are bound to it (why a retiring one is still wanted). The current
-    one first, then the most held; at most `MAX_STATUS_GENERATIONS`."""
+    one first, then those daemons hold (most nodes first), then by engine pods: every one,
+    the status lists the first `MAX_STATUS_GENERATIONS`."""
     held: dict[str, int] = defaultdict(int)
     for verdict in verdicts.values():
         g = held_generation(verdict)
@@ -257,7 +263,7 @@ def generation_entries(
     ordered = sorted(hashes, key=lambda g: (g != spec_hash, -held.get(g, 0),
                                             -bound.get(g, 0), g))
     return [{"fingerprint": g, "current": g == spec_hash, "nodes": held.get(g, 0),
-             "enginePods": bound.get(g, 0)} for g in ordered[:MAX_STATUS_GENERATIONS]]
+             "enginePods": bound.get(g, 0)} for g in ordered]
 
 
 def _progressing_condition(
@@ -278,10 +284,13 @@ def _progressing_condition(
         return condition("Progressing", True, "Loading", f"{ready}/{desired} nodes verified")
     retiring = [g for g in generations if not g["current"] and g["enginePods"]]
     if retiring:
-        detail = "; ".join(f"{g['enginePods']} engine pod(s) run {g['fingerprint'][:12]}, "
-                           f"held on {g['nodes']} node(s)" for g in retiring)
+        pods = sum(g["enginePods"] for g in retiring)
+        detail = "; ".join(f"{g['enginePods']} on {g['fingerprint'][:12]} (held on "
+                           f"{g['nodes']} node(s))" for g in retiring[:3])
+        more = f"; {len(retiring) - 3} more generation(s)" if len(retiring) > 3 else ""
         return condition("Progressing", True, ENGINES_ON_OLD_WEIGHTS,
-                         f"engines still bound to an earlier model: {detail}")
+                         f"{pods} engine pod(s) bound to another generation than the "
+                         f"spec's: {detail}{more}")
     return condition("Progressing", False, "Complete" if ready == desired else "Stalled", "")
 
 

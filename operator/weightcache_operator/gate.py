@@ -86,9 +86,14 @@ def evaluate_pod(
 
     `spec_hash` is the generation wanted: the cache's current one, or the one an engine
     pod is bound to (`wanted_by="pod"`: the pod runs those weights, whatever the spec says
-    now). `was_ready`: the pod was seen Ready with the restart count it has now; with `now`
-    (seconds since the epoch) it may be held open through a flap (`FLAP_SECONDS`).
+    now). An earlier generation is judged by its own shape, not the current spec's: its
+    GPUs are the pod's daemon containers (rendered for it), its expected bytes the
+    daemons' own (a pinned `expectedBytes` is the current model's); the byte tolerance
+    is the spec's. `was_ready`: the pod was seen Ready with the restart count it has now;
+    with `now` (seconds since the epoch) it may be held open through a flap
+    (`FLAP_SECONDS`).
     """
+    earlier = wanted_by != "cache"
 
     def fail(
         reason: str, message: str, reports: Mapping[str, DeviceReport] | None = None
@@ -120,15 +125,16 @@ def evaluate_pod(
                    f"the engine pod is bound to {spec_hash[:12]}"),
                 reports,
             )
-    if len(reports) < spec.slots:
-        return fail(DAEMON_NOT_READY, f"{len(reports)} of {spec.slots} GPUs reported", reports)
+    slots = (pod.slots or spec.slots) if earlier else spec.slots
+    if len(reports) < slots:
+        return fail(DAEMON_NOT_READY, f"{len(reports)} of {slots} GPUs reported", reports)
     for device, entry in sorted(reports.items()):
         if entry.state != "Ready":
             detail = f": {entry.message}" if entry.message else ""
             return fail(DAEMON_NOT_READY, f"{device} is {entry.state}{detail}", reports)
     tolerance = spec.engine.byte_tolerance
     for device, entry in sorted(reports.items()):
-        want = expected_bytes(spec, entry.expected_bytes)
+        want = entry.expected_bytes if earlier else expected_bytes(spec, entry.expected_bytes)
         if entry.preloaded_weights_bytes < want * (1 - tolerance):
             return fail(
                 BYTES_BELOW_EXPECTED,

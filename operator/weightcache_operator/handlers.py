@@ -198,8 +198,10 @@ async def engine_pod_event(
     event: kopf.RawEvent, namespace: str, name: str, uid: str, spec: kopf.Spec,
     memo: kopf.Memo, **kwargs: Any,
 ) -> None:
+    state = state_of(memo, kwargs)
     if event["type"] == "DELETED":
         memo.reconciler.forget_pod(uid)
     else:
-        await memo.reconciler.engine_pod(state_of(memo, kwargs), namespace, name,
-                                         spec.get("nodeName"))
+        await memo.reconciler.engine_pod(state, namespace, name, spec.get("nodeName"))
+    # The caches' statuses count engine pods per generation (coalesced, like reports).
+    memo.reconciler.engine_pods_changed(state, views.engine_pod_view(event["object"]))

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 EVALUATION_FAILED = "EvaluationFailed"
 # Memoised parses and renders kept, per (uid, generation), before starting afresh.
 MEMO_LIMIT = 4096
-# Node verdicts kept (one per cache and node) before starting afresh.
+# Node verdicts kept (per cache, node and generation wanted) before starting afresh.
 VERDICT_MEMO_LIMIT = 1 << 17
 RETRY_SECONDS = 5
 # A cache's status, and a gate's message, are written at most this often while
@@ -123,8 +123,8 @@ class Reconciler:
     _judged: dict[tuple[str, str, str], _Judged] = field(default_factory=dict)
     # Per daemon pod uid: its restart count when last seen Ready (a flap needs the same).
     _ready_restarts: dict[str, int] = field(default_factory=dict)
-    # Per (cache uid, node): the pass due when a flap's grace ends.
-    _rechecks: dict[tuple[str, str], asyncio.TimerHandle] = field(default_factory=dict)
+    # Per (cache uid, node, generation): the pass due when a flap's grace ends.
+    _rechecks: dict[tuple[str, str, str], asyncio.TimerHandle] = field(default_factory=dict)
     # What this operator last wrote: status per cache uid, Ready label per (node, label),
     # gate condition per engine pod uid.
     statuses: Written[Mapping[str, Any]] = field(default_factory=Written)
@@ -193,12 +193,14 @@ class Reconciler:
             self._judged.clear()
         self._judged[key] = _Judged(cache.generation, tuple(pods), verdict)
         if verdict.until is not None:
-            self._recheck_at(state, cache, node, verdict.until - now)
+            self._recheck_at(state, cache, node, digest, verdict.until - now)
         return verdict
 
-    def _recheck_at(self, state: State, cache: views.CacheView, node: str, delay: float) -> None:
-        """Judge the node again once a flap's grace ends (no event may come by then)."""
-        key = (cache.uid, node)
+    def _recheck_at(self, state: State, cache: views.CacheView, node: str, generation: str,
+                    delay: float) -> None:
+        """Judge the node again once a flap's grace ends (no event may come by then); one
+        timer per generation judged, each verdict's grace its own."""
+        key = (cache.uid, node, generation)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # judged outside a pass (tests of the pure parts)
@@ -419,6 +421,15 @@ class Reconciler:
                     decision.reason, decision.message,
                 )
 
+    def engine_pods_changed(self, state: State, pod: views.EnginePodView) -> None:
+        """An engine pod came, went or changed: the statuses that count it (their
+        `generations`) are written soon, coalesced with everything else."""
+        caches = {(c.namespace, c.name) for c in state.live_caches(pod.namespace)}
+        if pod.cache:
+            caches.add((pod.cache_namespace, pod.cache))
+        for namespace, name in sorted(caches):
+            self.request_status(state, namespace, name)
+
     def forget_pod(self, uid: str) -> None:
         """An engine pod is gone: nothing of it is kept."""
         self.gates.forget(uid)
@@ -537,11 +548,13 @@ class Reconciler:
 
     def _bound_counts(self, state: State, cache: views.CacheView, spec: WeightCacheSpec,
                       current: str) -> dict[str, int]:
-        """How many of the cache's live engine pods run each generation."""
+        """How many of the cache's engine pods run each generation: every pod it gates but
+        those terminating or finished (Succeeded, Failed: an evicted pod stays until it is
+        collected), scheduled or not."""
         annotation = names.binding_key(cache.namespace, cache.name)
         counts: dict[str, int] = {}
         for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
-            if pod.terminating or not _selects(cache, spec, pod):
+            if pod.terminating or pod.finished or not _selects(cache, spec, pod):
                 continue
             try:
                 generation = gate.bound_generation(pod.bindings.get(annotation), current)

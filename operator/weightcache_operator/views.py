@@ -64,6 +64,8 @@ class DaemonPodView:
     shape: str = ""
     # Why its report annotations were not kept (too many, too large); they count as malformed.
     report_error: str | None = None
+    # Its daemon containers: the GPU slots of the generation it was rendered for.
+    slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,12 @@ class EnginePodView:
     # The weights the pod runs, per cache: its `weights.weightcache.dev/<ns>.<name>`
     # annotations (names.binding_key), as written (gate.bound_generation reads them).
     bindings: Mapping[str, str] = field(default_factory=dict)
+    phase: str = "Pending"
+
+    @property
+    def finished(self) -> bool:
+        """Succeeded or Failed (evicted pods too): it runs nothing any more."""
+        return self.phase in ("Succeeded", "Failed")
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,7 @@ def daemon_pod_view(body: Mapping[str, Any]) -> DaemonPodView:
         restarts=sum(int(c.get("restartCount") or 0) for c in containers),
         shape=shape_digest(body.get("spec") or {}),
         report_error=report_error,
+        slots=len((body.get("spec") or {}).get("containers") or []),
     )
 
 
@@ -250,6 +259,7 @@ def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
         or meta.get("namespace", ""),
         bindings={k: str(v) for k, v in (meta.get("annotations") or {}).items()
                   if k.startswith(names.BINDING_PREFIX)},
+        phase=str((body.get("status") or {}).get("phase") or "Pending"),
     )
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from . import inject, views
-from .handlers import state_of
 
 WEBHOOK_ID = "inject"
 
@@ -41,7 +41,7 @@ class WebhookConfig:
 @kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False)
 async def inject_engine_pod(
     body: kopf.Body, spec: kopf.Spec, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-    **kwargs: Any,
+    **_: Any,
 ) -> None:
     meta = body.get("metadata") or {}
     labels = meta.get("labels") or {}
@@ -49,12 +49,16 @@ async def inject_engine_pod(
         return
     try:
         want = inject.wanted(namespace, labels, meta.get("annotations") or {})
-        cache = state_of(memo, kwargs).cache(want.namespace, want.name)
-        if cache is None:
-            # A cache created a moment ago (one `kubectl apply` of the cache and its
-            # engines) may not have reached the operator's watch yet: ask the apiserver.
+        # The apiserver's copy, not the watch's: the pod is bound to the cache's generation
+        # of this moment, and a spec edited a moment ago (one `kubectl apply` of the cache
+        # and its engines) may not have reached the watch yet; a pod bound to the older
+        # one would wait for weights no daemon will hold again.
+        try:
             body = await memo.reconciler.kube.read_cache(want.namespace, want.name)
-            cache = views.cache_view(body) if body is not None else None
+        except ApiException as exc:
+            raise inject.Refused(f"reading WeightCache {want.namespace}/{want.name}: "
+                                 f"{exc.status} {exc.reason}", 503) from None
+        cache = views.cache_view(body) if body is not None else None
         injection = inject.decide(namespace, want, cache)
         bindings = inject.added_annotations(meta.get("annotations") or {}, injection)
     except inject.Refused as refused:

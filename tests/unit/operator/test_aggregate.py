@@ -397,3 +397,46 @@ def test_many_nodes_changing_alike_make_one_event_per_reason(
         f"and {30 - aggregate.MAX_NAMED_NODES} more")
     (below,) = [e for e in events if e.reason == gate.BYTES_BELOW_EXPECTED]
     assert below.message.startswith("node-odd: daemon pod p-odd")
+
+
+def test_generations_list_the_held_first_and_count_every_bound_pod(
+    gpu_spec: WeightCacheSpec, gpu_hash: str, make_pod: MakePod
+) -> None:
+    """Issue 36: what daemons hold and what engine pods are bound to. Pods may bind
+    themselves to any hash: those never crowd out what daemons hold, the list is capped
+    with a count of the rest, and Progressing counts every bound pod, listed or not."""
+    old = "a" * 64
+    loading = make_pod("wc-b", "node-b", state="Loading")
+    verdicts = {"node-a": gate.evaluate_node(gpu_spec, gpu_hash, [make_pod()]),
+                "node-b": gate.evaluate_node(gpu_spec, gpu_hash, [loading])}
+    fakes = {f"{i:064x}": 5 for i in range(1, 11)}
+    result = aggregate.build_status(
+        spec=gpu_spec, spec_hash=gpu_hash, generation=1, old_status={}, daemonset=ds(),
+        verdicts=verdicts, bound={gpu_hash: 1, old: 1, **fakes}, node_label=LABEL, now=T0)
+    status = result.status
+    assert status["generations"][0] == {"fingerprint": gpu_hash, "current": True,
+                                        "nodes": 1, "enginePods": 1}  # node-b still loads
+    assert len(status["generations"]) == aggregate.MAX_STATUS_GENERATIONS
+    assert status["generationsOmitted"] == 12 - aggregate.MAX_STATUS_GENERATIONS
+    assert old not in [g["fingerprint"] for g in status["generations"]]  # fewest pods
+    assert {n["name"]: n.get("specHash") for n in status["nodes"]} == {
+        "node-a": gpu_hash, "node-b": None}
+    progressing = cond(status, "Progressing")
+    assert progressing["status"] == "True"
+    # node-b loads: Loading is the reason first; once every node is verified the bound
+    # pods are, all 51 of them (the omitted ones too).
+    assert progressing["reason"] == "Loading"
+    verdicts["node-b"] = gate.evaluate_node(gpu_spec, gpu_hash, [make_pod("wc-b", "node-b")])
+    done = aggregate.build_status(
+        spec=gpu_spec, spec_hash=gpu_hash, generation=1, old_status={}, daemonset=ds(),
+        verdicts=verdicts, bound={gpu_hash: 1, old: 1, **fakes}, node_label=LABEL, now=T0)
+    progressing = cond(done.status, "Progressing")
+    assert progressing["reason"] == aggregate.ENGINES_ON_OLD_WEIGHTS
+    assert progressing["message"].startswith("51 engine pod(s) bound to another generation")
+    quiet = aggregate.build_status(
+        spec=gpu_spec, spec_hash=gpu_hash, generation=1, old_status={}, daemonset=ds(),
+        verdicts=verdicts, bound={gpu_hash: 2}, node_label=LABEL, now=T0)
+    assert cond(quiet.status, "Progressing")["reason"] == "Complete"
+    assert quiet.status["generations"] == [
+        {"fingerprint": gpu_hash, "current": True, "nodes": 2, "enginePods": 2}]
+    assert quiet.status["generationsOmitted"] == 0

@@ -260,3 +260,31 @@ def test_reports_the_view_did_not_keep_are_malformed(
     verdict = gate.evaluate_node(gpu_spec, gpu_hash, [pod])
     assert (verdict.ok, verdict.reason) == (False, gate.REPORT_MALFORMED)
     assert "70 report annotations" in verdict.message
+
+
+def test_an_earlier_generation_is_judged_by_its_own_gpus_and_bytes(
+    make_pod: MakePod, gpu_spec: WeightCacheSpec, gpu_hash: str
+) -> None:
+    """A pod bound to the generation before a spec change that also changed the GPUs (or
+    pinned the new model's bytes): its node's daemon is judged as rendered for that
+    generation, never by the current spec's slots or pins (issue 36)."""
+    def spec_with(per_node: int, **engine: object) -> WeightCacheSpec:
+        return parse_spec({"model": {"path": "/models/m2"},
+                           "gpus": {"perNode": per_node, "tpSize": per_node,
+                                    "shardPlan": "llama"},
+                           "transport": "vmm_fd",
+                           "engine": {"selector": {"matchLabels": {"app": "engine"}},
+                                      **engine}})
+
+    two = dataclasses.replace(make_pod(), slots=2)  # rendered for 2 GPUs, both Ready
+    for current in (spec_with(4), spec_with(1), spec_with(2, expectedBytes=100 * GIB)):
+        verdict = gate.evaluate_node(current, gpu_hash, [two], wanted_by="pod")
+        assert verdict.ok, verdict.message
+    # A 4-GPU generation with two GPUs reported stays closed under a 2-GPU spec.
+    half = dataclasses.replace(make_pod(gpus=2), slots=4)
+    verdict = gate.evaluate_node(spec_with(2), gpu_hash, [half], wanted_by="pod")
+    assert (verdict.ok, verdict.reason) == (False, gate.DAEMON_NOT_READY)
+    assert "2 of 4 GPUs reported" in verdict.message
+    # The current generation keeps the spec's rules: its pin applies.
+    pinned = spec_with(2, expectedBytes=100 * GIB)
+    assert gate.evaluate_node(pinned, gpu_hash, [two]).reason == gate.BYTES_BELOW_EXPECTED

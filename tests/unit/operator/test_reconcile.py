@@ -780,3 +780,30 @@ def test_a_binding_that_names_no_generation_keeps_the_gate_closed(
     assert names.binding_key(NS, NAME) in kube.conditions["typo"].message
     # A well-formed hash no daemon holds opens nothing either.
     assert kube.conditions["stranger"].reason == gate.FINGERPRINT_MISMATCH
+
+
+def test_engine_pods_are_counted_while_they_run_and_recounted_when_they_change(
+    kube: RecordingKube,
+) -> None:
+    """An evicted (Failed) or finished pod runs no weights: it keeps no generation in the
+    rollout; and an engine pod's going is written to the status without waiting for a
+    daemon's report or the resync."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0)
+    left = bound_engine("v1-node-b", "node-b", DIGEST)
+    evicted = dataclasses.replace(bound_engine("evicted", "node-a", DIGEST), phase="Failed")
+    st = upgrade_scene(V2_SPEC, {n: V2 for n in TWO_NODES}, [left, evicted], applied=2)
+    run(reconciler.cache(st, NS, NAME))
+    status = kube.of("status")[-1]
+    assert status["generations"][1]["enginePods"] == 1
+    assert progressing(status) == ("True", aggregate.ENGINES_ON_OLD_WEIGHTS)
+
+    st.engine_pods_index[(NS, "node-b")].remove(left)  # type: ignore[union-attr]
+
+    async def gone() -> None:
+        reconciler.engine_pods_changed(st, left)
+        await reconciler.flush()
+
+    run(gone())
+    status = kube.of("status")[-1]
+    assert progressing(status) == ("False", "Complete")
+    assert [g["fingerprint"] for g in status["generations"]] == [V2]

@@ -34,7 +34,7 @@ def test_daemon_pod_view() -> None:
         reports={annotation_key("GPU-1"): "{}", annotation_key("GPU-2"): "[]"},
         spec_hash="h", created="2026-01-01T00:00:00Z", controller_uid="ds-uid",
         cache_namespace="ns",  # no label: the older layout, in the cache's own namespace
-        shape=shape_digest(body["spec"]),
+        shape=shape_digest(body["spec"]), slots=2,
     )
     body["metadata"]["labels"][names.CACHE_NAMESPACE_LABEL] = "team"
     assert views.daemon_pod_view(body).cache_namespace == "team"
@@ -67,7 +67,9 @@ def test_engine_pod_gate_detection_and_view() -> None:
     assert view.node is None and view.labels == {"app": "e"}
     body["status"] = {}
     assert views.engine_pod_view(body).gate is None
-    assert view.bindings == {}
+    assert view.bindings == {} and view.phase == "Pending" and not view.finished
+    body["status"] = {"phase": "Failed"}  # evicted
+    assert views.engine_pod_view(body).finished
     key = names.binding_key("ns", "wc")
     body["metadata"]["annotations"] = {key: "a" * 64, "weightcache.dev/other": "x"}
     assert views.engine_pod_view(body).bindings == {key: "a" * 64}
