@@ -80,20 +80,19 @@ def controlled_pods(
 
 def evaluate_pod(
     spec: WeightCacheSpec, spec_hash: str, pod: DaemonPodView, now: float | None = None,
-    was_ready: bool = False, flap_seconds: float = FLAP_SECONDS, wanted_by: str = "cache",
+    was_ready: bool = False, flap_seconds: float = FLAP_SECONDS, bound: bool = False,
 ) -> Verdict:
     """Verdict for one daemon pod; the checks run in the order a reader would debug them.
 
-    `spec_hash` is the generation wanted: the cache's current one, or the one an engine
-    pod is bound to (`wanted_by="pod"`: the pod runs those weights, whatever the spec says
-    now). An earlier generation is judged by its own shape, not the current spec's: its
+    `spec_hash` is the generation wanted: the cache's current one, or (`bound`) another
+    one an engine pod is bound to: the pod runs those weights, whatever the spec says
+    now. Such a generation is judged by its own shape, not the current spec's: its
     GPUs are the pod's daemon containers (rendered for it), its expected bytes the
     daemons' own (a pinned `expectedBytes` is the current model's); the byte tolerance
     is the spec's. `was_ready`: the pod was seen Ready with the restart count it has now;
     with `now` (seconds since the epoch) it may be held open through a flap
     (`FLAP_SECONDS`).
     """
-    earlier = wanted_by != "cache"
 
     def fail(
         reason: str, message: str, reports: Mapping[str, DeviceReport] | None = None
@@ -121,11 +120,11 @@ def evaluate_pod(
             return fail(
                 FINGERPRINT_MISMATCH,
                 f"holds weights for spec {entry.spec_hash[:12] or '<none>'}, "
-                + (f"the WeightCache wants {spec_hash[:12]}" if wanted_by == "cache" else
-                   f"the engine pod is bound to {spec_hash[:12]}"),
+                + (f"the engine pod is bound to {spec_hash[:12]}" if bound else
+                   f"the WeightCache wants {spec_hash[:12]}"),
                 reports,
             )
-    slots = (pod.slots or spec.slots) if earlier else spec.slots
+    slots = (pod.slots or spec.slots) if bound else spec.slots
     if len(reports) < slots:
         return fail(DAEMON_NOT_READY, f"{len(reports)} of {slots} GPUs reported", reports)
     for device, entry in sorted(reports.items()):
@@ -134,7 +133,7 @@ def evaluate_pod(
             return fail(DAEMON_NOT_READY, f"{device} is {entry.state}{detail}", reports)
     tolerance = spec.engine.byte_tolerance
     for device, entry in sorted(reports.items()):
-        want = entry.expected_bytes if earlier else expected_bytes(spec, entry.expected_bytes)
+        want = entry.expected_bytes if bound else expected_bytes(spec, entry.expected_bytes)
         if entry.preloaded_weights_bytes < want * (1 - tolerance):
             return fail(
                 BYTES_BELOW_EXPECTED,
@@ -165,7 +164,7 @@ def evaluate_pod(
 def evaluate_node(
     spec: WeightCacheSpec, spec_hash: str, pods: Iterable[DaemonPodView],
     now: float | None = None, was_ready: Callable[[DaemonPodView], bool] = lambda _: False,
-    flap_seconds: float = FLAP_SECONDS, wanted_by: str = "cache",
+    flap_seconds: float = FLAP_SECONDS, bound: bool = False,
 ) -> Verdict:
     """Verdict for a node from all of the cache's daemon pods on it, for the generation
     `spec_hash` (see `evaluate_pod`).
@@ -178,7 +177,7 @@ def evaluate_node(
     ordered.sort(key=lambda p: (p.terminating, p.spec_hash != spec_hash))
     if not ordered:
         return Verdict(False, NO_DAEMON_ON_NODE, "no daemon pod of this cache on the node")
-    verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds, wanted_by)
+    verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds, bound)
                 for p in ordered]
     return next((v for v in verdicts if v.ok), verdicts[0])
 

@@ -187,7 +187,7 @@ class Reconciler:
         verdict = gate.evaluate_node(
             spec, digest, pods, now,
             lambda p: p.uid in self._ready_restarts and self._ready_restarts[p.uid] == p.restarts,
-            self.flap_seconds, "cache" if digest == current else "pod",
+            self.flap_seconds, bound=digest != current,
         )
         if len(self._judged) >= VERDICT_MEMO_LIMIT:
             self._judged.clear()

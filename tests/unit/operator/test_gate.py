@@ -278,11 +278,11 @@ def test_an_earlier_generation_is_judged_by_its_own_gpus_and_bytes(
 
     two = dataclasses.replace(make_pod(), slots=2)  # rendered for 2 GPUs, both Ready
     for current in (spec_with(4), spec_with(1), spec_with(2, expectedBytes=100 * GIB)):
-        verdict = gate.evaluate_node(current, gpu_hash, [two], wanted_by="pod")
+        verdict = gate.evaluate_node(current, gpu_hash, [two], bound=True)
         assert verdict.ok, verdict.message
     # A 4-GPU generation with two GPUs reported stays closed under a 2-GPU spec.
     half = dataclasses.replace(make_pod(gpus=2), slots=4)
-    verdict = gate.evaluate_node(spec_with(2), gpu_hash, [half], wanted_by="pod")
+    verdict = gate.evaluate_node(spec_with(2), gpu_hash, [half], bound=True)
     assert (verdict.ok, verdict.reason) == (False, gate.DAEMON_NOT_READY)
     assert "2 of 4 GPUs reported" in verdict.message
     # The current generation keeps the spec's rules: its pin applies.

@@ -434,8 +434,8 @@ def test_one_report_costs_the_same_work_and_writes_in_any_fleet(
     judged: list[str] = []
     real = gate.evaluate_node
     monkeypatch.setattr(gate, "evaluate_node",
-                        lambda spec, digest, pods, *rest: judged.extend(p.node for p in pods)
-                        or real(spec, digest, pods, *rest))
+                        lambda spec, digest, pods, *rest, **kw: judged.extend(p.node for p in pods)
+                        or real(spec, digest, pods, *rest, **kw))
     node = nodes[1]
     loading(st, node)
 
