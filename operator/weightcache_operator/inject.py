@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
-from .gate import SPEC_HASH_RE
+from .gate import InvalidBinding, bound_generation
 from .render import CONTAINER_SOCKET_ROOT
 from .spec import DNS_LABEL_RE, DNS_SUBDOMAIN_RE, SpecError, parse_spec, spec_hash
 from .views import CacheView
@@ -139,9 +139,11 @@ def added_annotations(annotations: Mapping[str, str], injection: Injection) -> d
     brought = annotations.get(injection.binding_key)
     if brought is None:
         return {injection.binding_key: injection.spec_hash}
-    if not SPEC_HASH_RE.fullmatch(brought):
-        raise Refused(f"annotation {injection.binding_key}: {brought[:80]!r} is not a spec hash "
-                      "(64 lowercase hex digits, as the cache's status.fingerprint)", 400)
+    try:
+        bound_generation(brought, injection.spec_hash)  # the gate's own rule
+    except InvalidBinding as exc:
+        raise Refused(f"annotation {injection.binding_key}: {exc}, as the cache's "
+                      "status.fingerprint", 400) from None
     return {}
 
 

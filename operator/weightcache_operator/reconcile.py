@@ -551,13 +551,12 @@ class Reconciler:
         """How many of the cache's engine pods run each generation: every pod it gates but
         those terminating or finished (Succeeded, Failed: an evicted pod stays until it is
         collected), scheduled or not."""
-        annotation = names.binding_key(cache.namespace, cache.name)
         counts: dict[str, int] = {}
         for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
             if pod.terminating or pod.finished or not _selects(cache, spec, pod):
                 continue
             try:
-                generation = gate.bound_generation(pod.bindings.get(annotation), current)
+                generation = _pod_generation(cache, current, pod)
             except gate.InvalidBinding:
                 continue
             counts[generation] = counts.get(generation, 0) + 1
@@ -608,10 +607,10 @@ class Reconciler:
     def _bound_verdict(self, state: State, cache: views.CacheView, current: str,
                        pod: views.EnginePodView) -> gate.Verdict:
         """The verdict on the pod's node for the generation the pod is bound to."""
-        annotation = names.binding_key(cache.namespace, cache.name)
         try:
-            generation = gate.bound_generation(pod.bindings.get(annotation), current)
+            generation = _pod_generation(cache, current, pod)
         except gate.InvalidBinding as exc:
+            annotation = names.binding_key(cache.namespace, cache.name)
             return gate.Verdict(False, gate.BINDING_INVALID, f"annotation {annotation}: {exc}")
         if not pod.node:
             return gate.Verdict(False, gate.POD_NOT_SCHEDULED, "")
@@ -641,6 +640,13 @@ def _selects(cache: views.CacheView, spec: WeightCacheSpec, pod: views.EnginePod
             return True
     return (pod.cache == cache.name and pod.cache_namespace == cache.namespace
             and (pod.namespace == cache.namespace or pod.namespace in spec.engine.namespaces))
+
+
+def _pod_generation(cache: views.CacheView, current: str, pod: views.EnginePodView) -> str:
+    """The generation (spec hash) `pod` runs of `cache`: its binding, else `current`;
+    `gate.InvalidBinding` for a binding that names none."""
+    return gate.bound_generation(pod.bindings.get(names.binding_key(cache.namespace, cache.name)),
+                                 current)
 
 
 # Shapes kept on a DaemonSet: enough for several renders in flight while old pods roll.

@@ -62,7 +62,8 @@ class EngineServer:
                 return self
             time.sleep(1)
         self.stop()
-        raise AssertionError(f"not healthy within {within_s:g} s:\n{self.log()[-6000:]}")
+        # A bound on waiting (callers give ten times a quiet start), not a speed check.
+        raise TimeoutError(f"not healthy within {within_s:g} s:\n{self.log()[-6000:]}")
 
     def healthy(self) -> bool:
         try:
@@ -140,7 +141,7 @@ def assert_refused_at_start(server: EngineServer, within_s: float, refusal: str)
             if server.healthy():
                 raise AssertionError(f"{server.argv[:4]} started:\n{server.log()[-6000:]}")
             time.sleep(1)
-        raise AssertionError(
+        raise TimeoutError(  # a bound on waiting, not a speed check
             f"neither failed nor healthy in {within_s:g} s:\n{server.log()[-6000:]}"
         )
     finally:

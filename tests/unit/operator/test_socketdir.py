@@ -234,10 +234,8 @@ def test_a_start_never_enters_another_caches_retired_directory(root: Path) -> No
     on each start, every cache's daemon stuck in Init:CrashLoopBackOff."""
     retired = retired_tree(root, "tenant.squatter")
     before = entries_below(retired)
-    started = time.monotonic()
     result = as_init_container(str(root), "victim.cache", "65533", "65533", "uid-v")
     assert result.returncode == 0, result.stderr
-    assert time.monotonic() - started < 30
     assert (root / "victim.cache").stat().st_uid == 65533
     assert entries_below(retired) == before  # left to the sweeper
     # Too deep for the recursive rmtree that cleans pytest's temporary directories.
