@@ -270,3 +270,105 @@ def test_a_missing_or_extra_tensor_is_refused_as_vllm_refuses_it_naming_it(
     else:
         assert any("tracing the engine's loading failed" in m and short in m
                    for m in ours_warnings)  # fmt: skip
+
+
+def test_a_load_from_the_daemon_found_incomplete_falls_back_to_vllms_own_load(
+    tiny_dirs, session_daemons, vllm_groups, monkeypatch, caplog
+) -> None:
+    """The post-load check finds a parameter without its value (forced here: a real
+    load leaves none, which the other tests assert): the model built for the daemon is
+    discarded and vLLM's own loader loads from disk under the same config, where the
+    discarded model's attention layers must not be registered twice. The engine gets
+    vLLM's cold load, bit-equal, and one WARNING names the parameter. Where vLLM cannot
+    post-process here (the CUDA wheel on an AMX CPU), its own load fails as a cold one."""
+    import torch
+
+    from weightcache.integrations.vllm import loader as vllm_loader
+
+    forced = "model.layers.0.mlp.down_proj.weight"
+    found = vllm_loader.unfilled
+
+    def unfilled_and_forced(model, report) -> dict[str, str]:
+        return {**found(model, report), forced: "forced"}
+
+    monkeypatch.setattr(vllm_loader, "unfilled", unfilled_and_forced)
+    daemon = session_daemons(tiny_dirs["llama"], "--transport", "memfd")
+    try:
+        with caplog.at_level("WARNING", logger="weightcache"):
+            if post_processes("llama"):
+                _, _, external, model, cold, _ = load_ours_and_cold(
+                    tiny_dirs["llama"], {"socket": daemon.socket}
+                )
+            else:
+                from vllm.config import set_current_vllm_config
+                from vllm.model_executor.model_loader import get_model_loader
+
+                config = engine_config(tiny_dirs["llama"], load_format="weightcache",
+                                       model_loader_extra_config={"socket": daemon.socket})
+                with set_current_vllm_config(config):
+                    loader = get_model_loader(config.load_config)
+                    external = loader.get_external_weight_memory(config)
+                    # Ours stops after vLLM's load_weights, vLLM's own load does not.
+                    with post_processing(False), pytest.raises(AttributeError,
+                                                               match=CPU_BUILD_KERNELS):
+                        loader.load_model(config, config.model_config)
+    finally:
+        daemon.terminate()
+    assert external > 0  # the layout was had; only the check sent the load to disk
+    warnings = {r.getMessage() for r in caplog.records
+                if r.levelname == "WARNING" and r.name.startswith("weightcache")}  # fmt: skip
+    assert warnings == {
+        "weightcache: the model loaded from the daemon is incomplete, so vLLM's default "
+        f"loader loads it from disk instead: {forced} (forced)"
+    }
+    if not post_processes("llama"):
+        return
+    ours, theirs = dict(model.named_parameters()), dict(cold.named_parameters())
+    assert sorted(ours) == sorted(theirs)
+    assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
+    assert not getattr(model, "weightcache_read_only", False)  # vLLM's own model
+
+
+def test_a_checkpoint_layout_missing_a_tensor_goes_to_vllms_own_load_and_its_refusal(
+    tiny_dirs, session_daemons, vllm_groups, tmp_path, monkeypatch, caplog
+) -> None:
+    """Without the engine's own layout (its loading untraceable), a checkpoint lacking a
+    tensor leaves a parameter on meta: the discarded model's layers leave vLLM's registry
+    and vLLM's own loader refuses the checkpoint as on a cold start, naming the tensor
+    (before: "Duplicate layer name", from the discarded model's attention layers)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from weightcache.integrations.vllm.loader import WeightcacheModelLoader
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("an operation the tracer cannot follow")
+
+    monkeypatch.setattr(WeightcacheModelLoader, "_trace", untraceable)
+    name = "model.layers.0.post_attention_layernorm.weight"
+    model_dir = checkpoint_variant(tiny_dirs["llama"], tmp_path / "missing",
+                                   lambda tensors: tensors.pop(name))  # fmt: skip
+    daemon = session_daemons(model_dir, "--transport", "memfd")
+    try:
+        ours_config = engine_config(model_dir, load_format="weightcache",
+                                    model_loader_extra_config={"socket": daemon.socket})
+        with caplog.at_level("WARNING", logger="weightcache"):
+            with set_current_vllm_config(ours_config):
+                loader = get_model_loader(ours_config.load_config)
+                assert loader.get_external_weight_memory(ours_config) > 0
+                with pytest.raises(ValueError) as ours:
+                    loader.load_model(ours_config, ours_config.model_config)
+        cold_config = engine_config(model_dir)
+        with set_current_vllm_config(cold_config):
+            with pytest.raises(ValueError) as cold:
+                get_model_loader(cold_config.load_config).load_model(
+                    cold_config, cold_config.model_config
+                )
+    finally:
+        daemon.terminate()
+    assert "Duplicate layer name" not in str(ours.value)
+    assert str(ours.value) == str(cold.value)
+    assert any(
+        "incomplete, so vLLM's default loader loads it from disk" in r.getMessage()
+        and name in r.getMessage() for r in caplog.records
+    )

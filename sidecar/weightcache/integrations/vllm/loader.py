@@ -147,6 +147,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         if decided.attached is None:
             return self._disk_loader().load_model(vllm_config, model_config, prefix)
         device = _load_device(vllm_config, self.load_config)
+        registered = RegisteredLayers.of(vllm_config)
         with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
             model = initialize_model(
                 vllm_config=vllm_config, model_config=model_config, prefix=prefix
@@ -167,7 +168,9 @@ class WeightcacheModelLoader(BaseModelLoader):
                     engine_load_weights=model.load_weights,
                 )  # fmt: skip
         except IncompleteLoad as exc:
-            return self._instead_from_disk(vllm_config, model_config, prefix, str(exc))
+            return self._instead_from_disk(
+                vllm_config, model_config, prefix, str(exc), registered
+            )
         process_weights_after_loading(model, model_config, device)
         replaced = still_mapped(model, report, tensors, name_map)
         self.report, self.replaced = report, replaced
@@ -200,6 +203,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         layout: LayoutDecision,
     ) -> nn.Module:  # fmt: skip
         device = _load_device(vllm_config, self.load_config)
+        registered = RegisteredLayers.of(vllm_config)
         with set_default_torch_dtype(model_config.dtype), device, meta_parameters():
             model = initialize_model(
                 vllm_config=vllm_config, model_config=model_config, prefix=prefix
@@ -214,7 +218,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         missing = unfilled(model, layout.report)
         if missing:  # never served: vLLM's own loader does it from disk
             return self._instead_from_disk(vllm_config, model_config, prefix,
-                                           describe_unfilled(missing))  # fmt: skip
+                                           describe_unfilled(missing), registered)  # fmt: skip
         self.layout_load = load = storage_report(model, layout.attached, own)
         model.load_weights = _refuse_weight_updates  # instance attribute: this model only
         model.weightcache_read_only = True
@@ -229,11 +233,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         return model.eval()
 
     def _instead_from_disk(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, why: str
-    ) -> nn.Module:
-        """A load from the daemon that left ``why``: vLLM's default loader loads the model
-        from disk (the bytes the worker took off its budget for the daemon then only make
-        the KV cache smaller). With ``fallback`` off, the load fails saying why."""
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, why: str,
+        registered: RegisteredLayers,
+    ) -> nn.Module:  # fmt: skip
+        """A load from the daemon that left ``why``: the model built for it is discarded
+        (its layers leave vLLM's registries, ``registered`` as before it was built) and
+        vLLM's default loader loads the model from disk (the bytes the worker took off its
+        budget for the daemon then only make the KV cache smaller). With ``fallback`` off,
+        the load fails saying why."""
         if not self.settings.fallback:
             raise NotServable(f"weightcache: the model loaded from the daemon is incomplete: "
                               f"{why} (fallback is off)")  # fmt: skip
@@ -241,6 +248,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             "weightcache: the model loaded from the daemon is incomplete, so vLLM's default "
             "loader loads it from disk instead: %s", why,
         )  # fmt: skip
+        registered.restore(vllm_config)
         return self._disk_loader().load_model(vllm_config, model_config, prefix)
 
     def layout(self, vllm_config: VllmConfig) -> LayoutDecision:
@@ -325,6 +333,30 @@ class WeightcacheModelLoader(BaseModelLoader):
         return DefaultModelLoader(
             dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredLayers:
+    """The layers a vLLM config has registered by name at one moment. Attention, MoE and
+    state-space layers register themselves in their config while a model is built, and
+    refuse a name already there (``Duplicate layer name``): a discarded model's layers
+    must leave before the model that replaces it is built under the same config."""
+
+    forward_context: frozenset[str]
+    moe_layers: int
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> RegisteredLayers:
+        compilation = vllm_config.compilation_config
+        return cls(frozenset(compilation.static_forward_context),
+                   len(compilation.static_all_moe_layers))  # fmt: skip
+
+    def restore(self, vllm_config: VllmConfig) -> None:
+        """Forget every layer registered since this moment."""
+        compilation = vllm_config.compilation_config
+        for name in set(compilation.static_forward_context) - self.forward_context:
+            del compilation.static_forward_context[name]
+        del compilation.static_all_moe_layers[self.moe_layers :]
 
 
 def _process_caches() -> list[dict]:
