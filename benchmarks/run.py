@@ -360,6 +360,8 @@ def main() -> int:
                         help="scale: comma-separated fleet sizes (kwok nodes of 8 GPUs)")
     parser.add_argument("--scale-operator-src", type=Path, default=None,
                         help="scale: run the operator from this checkout (e.g. a baseline)")
+    parser.add_argument("--scale-skip-waves", default="",
+                        help="scale: comma-separated waves to leave out (degrade, spec, ...)")
     parser.add_argument("--scale-wave-timeout", type=float, default=1200.0,
                         help="scale: seconds a wave may take to converge before it is recorded "
                              "as not converged")
@@ -369,6 +371,7 @@ def main() -> int:
     suites_table = {**SUITES, "scale": functools.partial(
         scale.suite, sizes=[int(n) for n in args.scale_nodes.split(",") if n.strip()],
         operator_src=args.scale_operator_src, wave_timeout=args.scale_wave_timeout,
+        skip_waves=tuple(w for w in args.scale_skip_waves.split(",") if w.strip()),
     )}
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     unknown = set(suites) - set(suites_table)

@@ -22,7 +22,19 @@ and label:
 - degrade: 1 % of the nodes go bad (daemon pod deleted, a wrong fingerprint,
   bytes below expected);
 - spec: a new model revision, rolled across the fleet by the DaemonSet
-  controller, each new daemon pod reporting Loading then Ready.
+  controller, each new daemon pod reporting Loading then Ready;
+- bind: every engine pod bound to the generation it runs (the annotation the
+  webhook writes at admission); no gate may move;
+- model: another revision under bound engines: each gate stays open until its
+  node's daemon pod is replaced, then closes (no daemon holds its weights), and
+  the labels follow the new generation;
+- rollback: the revision before "model" again: each bound gate opens once its
+  node's new daemon reports Ready.
+
+In the last three, every poll checks each bound gate against what its node
+holds (`BindingWatch`): gates closed while their weights were held, gates
+opened where they were not (both must be 0), and how long gates stayed open
+after their weights left.
 
 After each wave the harness waits until every gate and label is what the
 wave's reports justify (bounded by `wave_timeout`; a wave that does not get
@@ -104,6 +116,8 @@ class Options:
     operator_src: Path | None = None
     # Stop after the first wave that does not converge (later ones would measure the backlog).
     stop_on_timeout: bool = True
+    # Waves left out (of degrade, spec, bind, model, rollback; the model waves need bind).
+    skip_waves: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- expectations (pure)
@@ -173,6 +187,63 @@ class Changes:
         return max(self.last.values(), default=self.started)
 
 
+@dataclass
+class BindingWatch:
+    """Whether engine pods bound to one generation have their gates follow it, poll by poll:
+    open while their node's daemon holds it (Ready), closed once it does not.
+
+    Wrong at any moment: a gate found closed `grace` seconds after it closed (open before)
+    while the node held the pod's weights throughout (watches of pods and of daemon pods deliver in
+    no common order, so a closing seen just before its daemon pod's deletion is no fault);
+    a gate that opened while the node did not hold them. Figures: how long gates stayed
+    open once their weights were gone (the operator's reaction, as the watches saw it).
+    """
+
+    grace: float = 5.0
+    held_since: dict[str, float] = field(default_factory=dict)
+    unheld_since: dict[str, float] = field(default_factory=dict)
+    closed_while_held: dict[str, str] = field(default_factory=dict)
+    opened_while_unheld: dict[str, str] = field(default_factory=dict)
+    open_after_weights_left: dict[str, float] = field(default_factory=dict)
+    seen_open: dict[str, bool] = field(default_factory=dict)  # at the last poll
+    open_while_held: set[str] = field(default_factory=set)  # seen open since held
+
+    def observe(self, now: float, node: str, held: bool, g: Gate | None) -> None:
+        is_open = g is not None and g.status == "True"
+        was_open = self.seen_open.get(node, False)
+        self.seen_open[node] = is_open
+        if held:
+            self.unheld_since.pop(node, None)
+            since = self.held_since.setdefault(node, now)
+            if is_open:
+                self.open_while_held.add(node)
+            elif (g is not None and node in self.open_while_held and g.since >= since
+                    and now - g.since >= self.grace):
+                # A closing; a gate not opened yet is the operator's latency, not a fault.
+                self.closed_while_held.setdefault(node, f"{g.reason}: {g.message[:160]}")
+            return
+        self.open_while_held.discard(node)
+        self.held_since.pop(node, None)
+        first = node not in self.unheld_since
+        since = self.unheld_since.setdefault(node, now)
+        if g is not None and is_open and g.since > since:
+            self.opened_while_unheld.setdefault(node, g.message[:160])
+        elif g is not None and is_open:
+            self.open_after_weights_left[node] = now - since  # still open: so far
+        elif g is not None and was_open and (first or node in self.open_after_weights_left):
+            # Closed since the last poll (a closing seen before the weights' leaving: 0).
+            self.open_after_weights_left[node] = max(0.0, g.since - since)
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "gates_closed_while_weights_held": len(self.closed_while_held),
+            "gates_opened_without_weights": len(self.opened_while_unheld),
+            "open_after_weights_left_s": percentiles(self.open_after_weights_left.values()),
+            "wrong_examples": dict(sorted({**self.closed_while_held,
+                                           **self.opened_while_unheld}.items())[:5]),
+        }
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -219,7 +290,11 @@ class FleetRun:
         self.view = FleetView(NAMESPACE, f"app={ENGINE_APP}",
                               names.node_label_key(NAMESPACE, CACHE), OPERATOR_NAMESPACE)
         self.spec_hash = ""
+        self.revision = self.before_model = "r1"  # spec.model.revision now, and before "model"
         self.reported: dict[str, str] = {}  # node -> the daemon pod whose reports stand
+        self.ready_uids: set[str] = set()  # daemon pods whose every GPU was reported Ready
+        # The generation the engine pods are bound to, and the watch of their gates.
+        self.binding: tuple[str, BindingWatch] | None = None
         self.log = work / "operator.log"
 
     # ------------------------------------------------------------------ set-up
@@ -355,6 +430,7 @@ class FleetRun:
             if self.operator is not None:
                 self.operator.check_running()
             now = time.monotonic()
+            self.observe_bindings()
             if ready_nodes is None:
                 status_at = status_at or now
             elif status_at is None and now >= next_status:
@@ -397,6 +473,10 @@ class FleetRun:
         status = self.status()
         record = self.record(name, changes, result, before, after, status)
         record["settle_s"] = round(settled, 1)
+        if self.binding is not None:
+            self.observe_bindings()
+            record["bound_engines"] = self.binding[1].figures()
+            self.binding = (self.binding[0], BindingWatch())  # the next wave counts anew
         say(json.dumps({k: record[k] for k in ("wave", "converged", "total_s", "gate_latency_s")}
                        | {"writes": record["operator"]["writes"],
                           "cpu_s": record["operator"]["cpu_s"]}))
@@ -485,9 +565,22 @@ class FleetRun:
             ("degrade", self.act_degrade, self.expect_degraded,
              lambda: self.o.nodes - len(self.bad)),
             ("spec", self.act_spec, lambda n: opened(self.reported[n]), lambda: self.o.nodes),
+            # Engine pods bound to the generation they run, as the webhook binds them.
+            ("bind", self.act_bind, lambda n: opened(self.reported[n]), lambda: self.o.nodes),
+            # A model change under bound engines: each stays open until its node's daemon
+            # is replaced, then closes (no daemon holds its weights); the labels follow
+            # the new generation.
+            ("model", self.act_model,
+             lambda _: Expect("False", frozenset({gate.FINGERPRINT_MISMATCH}), True),
+             lambda: self.o.nodes),
+            # The model changed back: each opens again once its node holds its weights.
+            ("rollback", self.act_rollback, lambda n: opened(self.reported[n]),
+             lambda: self.o.nodes),
         ]
         waves = [self.wave_start()]
         for name, act, expect, ready in steps:
+            if name in self.o.skip_waves:
+                continue
             if not waves[-1]["converged"] and self.o.stop_on_timeout:
                 say(f"wave {waves[-1]['wave']} did not converge within "
                     f"{self.o.wave_timeout:.0f} s; stopping")
@@ -548,6 +641,7 @@ class FleetRun:
         rng = random.Random(self.o.seed)
         offsets = [rng.uniform(0, self.o.ready_seconds) for _ in reports]
         self.reported = {n: pods[n].name for n in self.nodes}
+        self.ready_uids = {pods[n].uid for n in self.nodes}
         return self.write_all(reports, offsets)
 
     def act_degrade(self) -> Changes:
@@ -583,13 +677,55 @@ class FleetRun:
         return closed(gate.DAEMON_NOT_READY, gate.NO_DAEMON_ON_NODE)
 
     def act_spec(self) -> Changes:
-        """A new model revision; each daemon pod the rollout creates loads and reports."""
+        return self.roll_to("r2")
+
+    def act_bind(self) -> Changes:
+        """Every engine pod bound to the generation its node holds (the spec's)."""
+        changes = Changes(started=time.monotonic())
+        body = {"metadata": {"annotations": {names.binding_key(NAMESPACE, CACHE):
+                                             self.spec_hash}}}
+
+        def bind(node: str) -> None:
+            self.api.request("PATCH", f"/api/v1/namespaces/{NAMESPACE}/pods/engine-{node}",
+                             body, content_type="application/merge-patch+json")
+
+        with ThreadPoolExecutor(self.o.writers) as pool:
+            list(pool.map(bind, self.nodes))
+        changes.other = len(self.nodes)
+        self.binding = (self.spec_hash, BindingWatch())
+        return changes
+
+    def act_model(self) -> Changes:
+        self.before_model = self.revision
+        return self.roll_to("r3")
+
+    def act_rollback(self) -> Changes:
+        return self.roll_to(self.before_model)
+
+    def observe_bindings(self) -> None:
+        """One poll of the bound engine pods' gates against what their nodes hold."""
+        if self.binding is None:
+            return
+        bound, watch = self.binding
+        now = time.monotonic()
+        running = self.view.running_daemons()
+        with self.view.lock:
+            gates = {e.node: e.gate for e in self.view.engines.values()}
+        for node in self.nodes:
+            pod = running.get(node)
+            held = pod is not None and pod.spec_hash == bound and pod.uid in self.ready_uids
+            watch.observe(now, node, held, gates.get(node))
+
+    def roll_to(self, revision: str) -> Changes:
+        """The cache's model revision set to `revision`; each daemon pod the DaemonSet's
+        rollout creates loads and reports (Loading, then Ready)."""
         assert self.cluster is not None and self.daemons is not None
         old = self.spec_hash
+        self.revision = revision
         changes = Changes(started=time.monotonic())
         self.api.request(
             "PATCH", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{NAMESPACE}/"
-            f"{names.PLURAL}/{CACHE}", {"spec": {"model": {"revision": "r2"}}},
+            f"{names.PLURAL}/{CACHE}", {"spec": {"model": {"revision": revision}}},
             content_type="application/merge-patch+json")
         changes.other = 1
         done: dict[str, DaemonPod] = {}
@@ -599,6 +735,10 @@ class FleetRun:
         def load(pod: DaemonPod) -> None:
             for state, held in (("loading", 0), ("ready", SHARD_BYTES)):
                 for slot in range(self.o.gpus):
+                    if state == "ready" and slot == self.o.gpus - 1:
+                        # Held from the last report on: the operator cannot open before it
+                        # lands, and the watch may show the gate before this write returns.
+                        self.ready_uids.add(pod.uid)
                     when = self.daemons.write(  # type: ignore[union-attr]
                         Report(pod, slot, state, pod.spec_hash, held, SHARD_BYTES))
                     with lock:
@@ -611,12 +751,13 @@ class FleetRun:
             while len(done) < len(self.nodes) and time.monotonic() < deadline:
                 assert self.watch is not None
                 self.watch.check()
+                self.observe_bindings()
                 for node, pod in self.view.running_daemons().items():
                     if pod.spec_hash != old and (node not in done or done[node].uid != pod.uid):
                         done[node] = pod
                         self.spec_hash = pod.spec_hash
                         futures.append(pool.submit(load, pod))
-                        # The DaemonSet controller's pace (maxUnavailable 1), not the operator's.
+                        # The DaemonSet controller's pace (maxUnavailable), not the operator's.
                         changes.extra["rollout_s"] = round(time.monotonic() - changes.started, 1)
                 time.sleep(POLL)
             for f in futures:

@@ -51,9 +51,42 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+BINDING_COLUMNS = ("arm", "nodes", "wave", "rollout s", "closed while held",
+                   "opened without weights", "open after weights left p50 / p99 / max s",
+                   "operator writes per node", "RSS")
+
+
+def binding_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per wave that watched bound engine pods (scale.BindingWatch)."""
+    out = []
+    for arm, sizes in results.get("arms", {}).items():
+        for nodes, run in sizes.items():
+            for w in run["waves"]:
+                bound = w.get("bound_engines")
+                if bound is None:
+                    continue
+                late = bound["open_after_weights_left_s"] or {}
+                op = w["operator"]
+                out.append([arm, nodes, w["wave"], _cell(w.get("rollout_s")),
+                            _cell(bound["gates_closed_while_weights_held"]),
+                            _cell(bound["gates_opened_without_weights"]),
+                            " / ".join(_cell(late.get(k)) for k in ("p50", "p99", "max")),
+                            _cell(round(op["writes"] / int(nodes), 2)),
+                            _cell(op["peak_rss_mib"])])
+    return out
+
+
+def _markdown(columns: tuple[str, ...], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(r) + " |" for r in body]
+
+
 def table(results: dict[str, Any]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    """The waves' table, then (where a run bound its engine pods) the bindings' table."""
+    lines = _markdown(COLUMNS, rows(results))
+    bound = binding_rows(results)
+    if bound:
+        lines += ["", *_markdown(BINDING_COLUMNS, bound)]
     return "\n".join(lines)
 
 

@@ -36,11 +36,14 @@ def waves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     return {w["wave"]: w for w in result["waves"]}
 
 
+WAVES = ["start", "install", "loading", "ready", "degrade", "spec", "bind", "model", "rollback"]
+
+
 def test_every_wave_ran(waves: dict[str, dict[str, Any]]) -> None:
-    assert list(waves) == ["start", "install", "loading", "ready", "degrade", "spec"]
+    assert list(waves) == WAVES
 
 
-@pytest.mark.parametrize("wave", ["start", "install", "loading", "ready", "degrade", "spec"])
+@pytest.mark.parametrize("wave", WAVES)
 def test_every_gate_and_label_is_right_after_the_wave(
     waves: dict[str, dict[str, Any]], wave: str
 ) -> None:
@@ -65,3 +68,12 @@ def test_a_degraded_node_is_named_in_the_status(waves: dict[str, dict[str, Any]]
     record = waves["degrade"]
     assert record["nodes_changed"] == 3
     assert record["status_ready"] == f"{NODES - 3}/{NODES}"
+
+
+@pytest.mark.parametrize("wave", ["bind", "model", "rollback"])
+def test_no_bound_gate_is_wrong_at_any_moment(waves: dict[str, dict[str, Any]], wave: str) -> None:
+    """Issue 36: a bound engine pod's gate never closes while its node holds its weights,
+    and never opens where it does not (the harness checks every gate at every poll)."""
+    bound = waves[wave]["bound_engines"]
+    assert bound["gates_closed_while_weights_held"] == 0, bound["wrong_examples"]
+    assert bound["gates_opened_without_weights"] == 0, bound["wrong_examples"]

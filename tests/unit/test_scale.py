@@ -41,3 +41,64 @@ def test_gpu_uuids_look_real_and_fit_an_annotation_key() -> None:
     assert len(uuid) == len("GPU-00000000-0000-0000-0000-000000000000")
     assert annotation_key(uuid).startswith("weightcache.dev/report.GPU-")
     assert gpu_uuid("kwok-gpu-999", 7) != gpu_uuid("kwok-gpu-999", 6)
+
+
+def test_a_bound_gate_closing_while_its_weights_are_held_is_wrong_after_the_grace() -> None:
+    watch = scale.BindingWatch(grace=5.0)
+    opened = Gate("True", gate.WEIGHTS_RESIDENT, "daemon pod wc-1: ...", 0.0)
+    watch.observe(1.0, "n1", True, opened)
+    closed = Gate("False", gate.FINGERPRINT_MISMATCH, "bound to r2", 2.0)
+    watch.observe(3.0, "n1", True, closed)  # its daemon pod's deletion may just be late
+    assert watch.figures()["gates_closed_while_weights_held"] == 0
+    watch.observe(7.5, "n1", True, closed)
+    assert watch.figures()["gates_closed_while_weights_held"] == 1
+    assert "bound to r2" in watch.figures()["wrong_examples"]["n1"]
+
+
+def test_a_bound_gate_closing_after_its_weights_left_is_timed_not_wrong() -> None:
+    watch = scale.BindingWatch(grace=5.0)
+    watch.observe(1.0, "n1", True, Gate("True", gate.WEIGHTS_RESIDENT, "m", 0.0))
+    watch.observe(2.0, "n1", False, Gate("True", gate.WEIGHTS_RESIDENT, "m", 0.0))
+    watch.observe(3.0, "n1", False, Gate("True", gate.WEIGHTS_RESIDENT, "m", 0.0))
+    assert watch.open_after_weights_left == {"n1": 1.0}  # so far
+    watch.observe(4.0, "n1", False, Gate("False", gate.FINGERPRINT_MISMATCH, "m", 3.5))
+    figures = watch.figures()
+    assert watch.open_after_weights_left == {"n1": 1.5}
+    assert figures["gates_closed_while_weights_held"] == figures[
+        "gates_opened_without_weights"] == 0
+    assert figures["open_after_weights_left_s"]["max"] == 1.5
+
+
+def test_a_bound_gate_opening_where_its_weights_are_not_held_is_wrong_at_once() -> None:
+    watch = scale.BindingWatch(grace=5.0)
+    shut = Gate("False", gate.FINGERPRINT_MISMATCH, "m", 0.0)
+    watch.observe(1.0, "n1", False, shut)
+    assert watch.open_after_weights_left == {}  # closed before: nothing to time
+    watch.observe(2.0, "n1", False, Gate("True", gate.WEIGHTS_RESIDENT, "daemon pod wc-3", 1.5))
+    assert watch.figures()["gates_opened_without_weights"] == 1
+    fine = scale.BindingWatch(grace=5.0)
+    fine.observe(1.0, "n2", False, shut)
+    fine.observe(2.0, "n2", True, shut)  # its node holds them again (rollback)
+    fine.observe(3.0, "n2", True, Gate("True", gate.WEIGHTS_RESIDENT, "daemon pod wc-4", 2.5))
+    assert fine.figures()["gates_opened_without_weights"] == 0
+    # A closed gate whose message changes while the weights are away is not timed.
+    later = scale.BindingWatch(grace=5.0)
+    later.observe(1.0, "n3", False, shut)
+    later.observe(2.0, "n3", False, Gate("False", gate.DAEMON_NOT_READY, "Loading", 1.5))
+    assert later.open_after_weights_left == {}
+
+
+def test_a_closing_seen_before_the_weights_leave_counts_as_no_delay() -> None:
+    watch = scale.BindingWatch(grace=5.0)
+    watch.observe(1.0, "n1", True, Gate("True", gate.WEIGHTS_RESIDENT, "m", 0.0))
+    watch.observe(2.0, "n1", False, Gate("False", gate.DAEMON_NOT_READY, "terminating", 1.8))
+    assert watch.open_after_weights_left == {"n1": 0.0}
+    assert watch.figures()["gates_closed_while_weights_held"] == 0
+
+
+def test_a_bound_gate_not_opened_yet_where_its_weights_are_held_is_latency_not_wrong() -> None:
+    watch = scale.BindingWatch(grace=5.0)
+    waiting = Gate("False", gate.DAEMON_NOT_READY, "1 of 8 GPUs reported", 2.0)
+    watch.observe(1.0, "n1", True, waiting)  # the operator has not caught up with the reports
+    watch.observe(9.0, "n1", True, waiting)
+    assert watch.figures()["gates_closed_while_weights_held"] == 0

@@ -49,3 +49,18 @@ def test_the_command_writes_the_merged_file(tmp_path: Path, capsys: Any) -> None
     assert scale_report.main([str(out), "--add", "after", str(first)]) == 0
     assert json.loads(out.read_text())["arms"]["after"]["10"]["waves"][0]["wave"] == "loading"
     assert "| after | 10 | loading |" in capsys.readouterr().out
+
+
+def test_waves_that_watched_bound_engines_get_a_table_of_their_own() -> None:
+    model = wave("model") | {"rollout_s": 213.2, "bound_engines": {
+        "gates_closed_while_weights_held": 0, "gates_opened_without_weights": 0,
+        "open_after_weights_left_s": {"p50": 0.0, "p99": 1.2, "max": 2.5, "n": 1000},
+        "wrong_examples": {}}}
+    results = scale_report.merge({}, "bound", run({"1000": [wave("ready"), model]}, "a"))
+    text = scale_report.table(results)
+    first, second = text.split("\n\n")
+    assert len(first.splitlines()) == 2 + 2
+    assert second.splitlines()[2] == (
+        "| bound | 1000 | model | 213.2 | 0 | 0 | 0.0 / 1.2 / 2.5 | 0.04 | 100.0 |")
+    plain = scale_report.merge({}, "after", run({"10": [wave("ready")]}, "a"))
+    assert "\n\n" not in scale_report.table(plain)
