@@ -29,7 +29,14 @@ and label:
   node's daemon pod is replaced, then closes (no daemon holds its weights), and
   the labels follow the new generation;
 - rollback: the revision before "model" again: each bound gate opens once its
-  node's new daemon reports Ready.
+  node's new daemon reports Ready;
+- nodebynode: another revision under `rollout.strategy: NodeByNode`: the
+  operator evicts each node's engine pod (bound to the old generation), then
+  its daemon pod, `maxUnavailable` nodes at a time; the harness creates each
+  evicted engine again bound to the new generation, as its Deployment would.
+  `NodeByNodeWatch` counts, poll by poll, the nodes in flight (must stay
+  within `maxUnavailable`) and the daemons replaced while an old engine still
+  ran there (must be 0).
 
 In the last three, every poll checks each bound gate against what its node
 holds (`BindingWatch`): gates closed while their weights were held, gates
@@ -75,7 +82,8 @@ from tests.k8s.operator_flow import (
 )
 from tools.testenv import assets, kubeconfig
 from tools.testenv.cluster import Cluster, interrupt_on_termination
-from weightcache_operator import gate, names, rbac
+from weightcache_operator import gate, names, rbac, rollout
+from weightcache_operator.spec import parse_spec, spec_hash
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "weightcache-operator"
@@ -116,7 +124,8 @@ class Options:
     operator_src: Path | None = None
     # Stop after the first wave that does not converge (later ones would measure the backlog).
     stop_on_timeout: bool = True
-    # Waves left out (of degrade, spec, bind, model, rollback; the model waves need bind).
+    # Waves left out (of degrade, spec, bind, model, rollback, nodebynode; the model waves
+    # need bind).
     skip_waves: tuple[str, ...] = ()
 
 
@@ -244,6 +253,39 @@ class BindingWatch:
         }
 
 
+@dataclass
+class NodeByNodeWatch:
+    """A node-by-node rollout, poll by poll: nodes in flight (the old engine gone, the new
+    daemon not Ready yet) and new daemons that came while the node's old engine still ran.
+
+    Watches of engine and daemon pods deliver in no common order: a new daemon counts as
+    replaced under an old engine only when the engine was still seen `grace` seconds after
+    the daemon first was.
+    """
+
+    grace: float = 2.0
+    max_in_flight: int = 0
+    new_daemon_since: dict[str, float] = field(default_factory=dict)
+    replaced_under_old_engine: set[str] = field(default_factory=set)
+
+    def poll(self, now: float, nodes: Mapping[str, tuple[bool, bool, bool]]) -> None:
+        """`nodes`: per node, (old engine present, new daemon running, new daemon Ready)."""
+        in_flight = 0
+        for node, (old_engine, new_daemon, ready) in nodes.items():
+            if new_daemon:
+                since = self.new_daemon_since.setdefault(node, now)
+                if old_engine and now - since >= self.grace:
+                    self.replaced_under_old_engine.add(node)
+            if not old_engine and not ready:
+                in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, in_flight)
+
+    def figures(self, budget: int) -> dict[str, Any]:
+        return {"max_nodes_in_flight": self.max_in_flight, "max_unavailable_nodes": budget,
+                "daemons_replaced_under_old_engines": len(self.replaced_under_old_engine),
+                "examples": sorted(self.replaced_under_old_engine)[:5]}
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -293,6 +335,7 @@ class FleetRun:
         self.revision = self.before_model = "r1"  # spec.model.revision now, and before "model"
         self.reported: dict[str, str] = {}  # node -> the daemon pod whose reports stand
         self.ready_uids: set[str] = set()  # daemon pods whose every GPU was reported Ready
+        self._changes_lock = threading.Lock()  # reports counted from several writers
         # The generation the engine pods are bound to, and the watch of their gates.
         self.binding: tuple[str, BindingWatch] | None = None
         self.log = work / "operator.log"
@@ -576,6 +619,9 @@ class FleetRun:
             # The model changed back: each opens again once its node holds its weights.
             ("rollback", self.act_rollback, lambda n: opened(self.reported[n]),
              lambda: self.o.nodes),
+            # Another model, node by node: every engine evicted, made again for the new one.
+            ("nodebynode", self.act_node_by_node, lambda n: opened(self.reported[n]),
+             lambda: self.o.nodes),
         ]
         waves = [self.wave_start()]
         for name, act, expect, ready in steps:
@@ -702,6 +748,88 @@ class FleetRun:
     def act_rollback(self) -> Changes:
         return self.roll_to(self.before_model)
 
+    def act_node_by_node(self) -> Changes:
+        """A new revision under `rollout.strategy: NodeByNode`. The operator evicts each
+        node's engine pod, then its daemon pod; each new daemon pod loads and reports, and
+        each evicted engine is created again bound to the new generation."""
+        assert self.daemons is not None
+        old, revision = self.spec_hash, "r4"
+        new = spec_hash(parse_spec(weightcache(self.o.gpus, revision,
+                                               self.o.max_unavailable)["spec"]))
+        budget = rollout.unavailable_budget(self.o.max_unavailable, len(self.nodes))
+        self.binding = None  # each engine pod is judged below by its own generation
+        changes = Changes(started=time.monotonic())
+        self.api.request(
+            "PATCH", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{NAMESPACE}/"
+            f"{names.PLURAL}/{CACHE}",
+            {"spec": {"model": {"revision": revision}, "rollout": {"strategy": "NodeByNode"}}},
+            content_type="application/merge-patch+json")
+        changes.other = 1
+        watch, gates = NodeByNodeWatch(), BindingWatch()
+        recreated: set[str] = set()
+        done: dict[str, DaemonPod] = {}
+        futures = []
+        deadline = changes.started + self.o.wave_timeout
+        pool = ThreadPoolExecutor(self.o.writers, thread_name_prefix="nodebynode")
+        try:
+            while time.monotonic() < deadline and (
+                    len(done) < len(self.nodes) or len(recreated) < len(self.nodes)):
+                assert self.watch is not None
+                self.watch.check()
+                now = time.monotonic()
+                running = self.view.running_daemons()
+                with self.view.lock:
+                    engines = {e.node: e.gate for e in self.view.engines.values()}
+                seen: dict[str, tuple[bool, bool, bool]] = {}
+                for node in self.nodes:
+                    if node not in engines and node not in recreated:
+                        body = engine_pod(node)
+                        body["metadata"]["annotations"] = {
+                            names.binding_key(NAMESPACE, CACHE): new}
+                        created = self.api.request(  # 409: the evicted one is not gone yet
+                            "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body, ok=(409,))
+                        if created.get("kind") == "Pod":
+                            recreated.add(node)
+                    pod = running.get(node)
+                    fresh = pod is not None and pod.spec_hash == new
+                    if fresh and (node not in done or done[node].uid != pod.uid):
+                        done[node] = pod
+                        futures.append(pool.submit(self._load, pod, changes))
+                    ready = fresh and pod.uid in self.ready_uids
+                    seen[node] = (node in engines and node not in recreated, fresh, ready)
+                    if node in engines:
+                        bound = new if node in recreated else old
+                        held = (pod is not None and pod.spec_hash == bound
+                                and pod.uid in self.ready_uids)
+                        gates.observe(now, f"{node}/{bound[:12]}", held, engines[node])
+                watch.poll(now, seen)
+                time.sleep(POLL)
+            for f in futures:
+                f.result()
+        finally:
+            pool.shutdown(wait=True)
+        changes.extra["rollout_s"] = round(time.monotonic() - changes.started, 1)
+        changes.extra["node_by_node"] = watch.figures(budget)
+        changes.extra["bound_engines"] = gates.figures()
+        self.spec_hash = new
+        self.reported = {n: done[n].name if n in done else "<not rolled>" for n in self.nodes}
+        return changes
+
+    def _load(self, pod: DaemonPod, changes: Changes) -> None:
+        """A new daemon pod loads: each GPU reports Loading, then Ready."""
+        assert self.daemons is not None
+        for state, held in (("loading", 0), ("ready", SHARD_BYTES)):
+            for slot in range(self.o.gpus):
+                if state == "ready" and slot == self.o.gpus - 1:
+                    # Held from the last report on: the operator cannot open before it
+                    # lands, and the watch may show the gate before this write returns.
+                    self.ready_uids.add(pod.uid)
+                when = self.daemons.write(
+                    Report(pod, slot, state, pod.spec_hash, held, SHARD_BYTES))
+                with self._changes_lock:
+                    changes.reports += 1
+                    changes.note(pod.node or "", when)
+
     def observe_bindings(self) -> None:
         """One poll of the bound engine pods' gates against what their nodes hold."""
         if self.binding is None:
@@ -730,21 +858,6 @@ class FleetRun:
         changes.other = 1
         done: dict[str, DaemonPod] = {}
         futures = []
-        lock = threading.Lock()
-
-        def load(pod: DaemonPod) -> None:
-            for state, held in (("loading", 0), ("ready", SHARD_BYTES)):
-                for slot in range(self.o.gpus):
-                    if state == "ready" and slot == self.o.gpus - 1:
-                        # Held from the last report on: the operator cannot open before it
-                        # lands, and the watch may show the gate before this write returns.
-                        self.ready_uids.add(pod.uid)
-                    when = self.daemons.write(  # type: ignore[union-attr]
-                        Report(pod, slot, state, pod.spec_hash, held, SHARD_BYTES))
-                    with lock:
-                        changes.reports += 1
-                        changes.note(pod.node or "", when)
-
         deadline = changes.started + self.o.wave_timeout
         pool = ThreadPoolExecutor(self.o.writers, thread_name_prefix="rollout")
         try:
@@ -756,7 +869,7 @@ class FleetRun:
                     if pod.spec_hash != old and (node not in done or done[node].uid != pod.uid):
                         done[node] = pod
                         self.spec_hash = pod.spec_hash
-                        futures.append(pool.submit(load, pod))
+                        futures.append(pool.submit(self._load, pod, changes))
                         # The DaemonSet controller's pace (maxUnavailable), not the operator's.
                         changes.extra["rollout_s"] = round(time.monotonic() - changes.started, 1)
                 time.sleep(POLL)

@@ -11,6 +11,7 @@ from typing import Any
 from weightcache.report import DeviceReport
 
 from . import gate
+from . import rollout as node_rollout
 from .conditions import condition, merge_conditions
 from .spec import WeightCacheSpec
 from .views import DaemonPodView, DaemonSetView
@@ -110,6 +111,7 @@ def build_status(
     verdicts: Mapping[str, gate.Verdict] | None = None,
     previous: Mapping[str, NodeState] | None = None,
     bound: Mapping[str, int] | None = None,
+    rollout: node_rollout.Progress | None = None,
     node_label: str,
     now: str,
 ) -> Aggregate:
@@ -120,6 +122,7 @@ def build_status(
     `previous` is what each node was when events were last posted; without it,
     the nodes the old status lists (a fleet's status lists only some).
     `bound`: how many of the cache's engine pods run each generation (spec hash).
+    `rollout`: what a node-by-node rollout's pass did (None: the DaemonSet rolls).
     """
     if verdicts is None:
         verdicts = node_verdicts(spec, spec_hash, pods)
@@ -149,7 +152,7 @@ def build_status(
     generations = generation_entries(spec_hash, verdicts, bound or {})
     progressing = _progressing_condition(
         observed, generation, daemonset, ready, desired, degraded["status"] == "True",
-        generations,
+        generations, rollout,
     )
     ready_cond = _ready_condition(resident_cond, degraded, progressing, observed == generation)
     if desired == 0:
@@ -269,9 +272,19 @@ def generation_entries(
 def _progressing_condition(
     observed: int | None, generation: int, daemonset: DaemonSetView | None,
     ready: int, desired: int, degraded: bool, generations: list[dict[str, Any]],
+    rollout: node_rollout.Progress | None = None,
 ) -> dict[str, Any]:
     if observed != generation:
         return condition("Progressing", True, "Applying", f"applying generation {generation}")
+    if rollout is not None and rollout.blocked:
+        more = f" (and {len(rollout.blocked) - 1} more)" if len(rollout.blocked) > 1 else ""
+        return condition("Progressing", True, node_rollout.EVICTION_BLOCKED,
+                         f"node by node: evicting {rollout.blocked[0]}{more}")
+    if rollout is not None and rollout.active:
+        shown = ", ".join(rollout.rolling[:5]) + (", …" if len(rollout.rolling) > 5 else "")
+        return condition("Progressing", True, node_rollout.ROLLING_NODE_BY_NODE,
+                         f"node by node: {len(rollout.rolling)} node(s) rolling ({shown}), "
+                         f"{rollout.waiting} waiting")
     if daemonset is not None and (
         daemonset.observed_generation < daemonset.generation
         or daemonset.updated < daemonset.desired

@@ -69,6 +69,15 @@ class Kube:
         await asyncio.to_thread(self.apps.delete_namespaced_daemon_set, name, namespace,
                                 body=body)
 
+    async def evict_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Ask the Eviction API to remove that pod (by uid: never a newer one of its name);
+        a PodDisruptionBudget that forbids it answers 429."""
+        body = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+            delete_options=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+        )
+        await asyncio.to_thread(self.core.create_namespaced_pod_eviction, name, namespace, body)
+
     async def read_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
         """One WeightCache as the apiserver holds it now; None if there is none. A list
         by name, so the operator needs no `get` beside the `list` its watch needs."""

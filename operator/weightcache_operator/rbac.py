@@ -24,6 +24,9 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     # Daemon pods (reports) and engine pods (readiness gates).
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+    # A NodeByNode model rollout evicts a node's engine pods bound to an older generation,
+    # then that node's daemon pod (the Eviction API: PodDisruptionBudgets decide; rollout.py).
+    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
     # weightcache.dev/<name>=Ready node labels.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

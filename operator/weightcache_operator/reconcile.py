@@ -38,7 +38,7 @@ from kubernetes.client.exceptions import ApiException
 
 from weightcache.report import rfc3339_now
 
-from . import aggregate, gate, metrics, names, nodes, render, views
+from . import aggregate, gate, metrics, names, nodes, render, rollout, views
 from .coalesce import Coalescer
 from .kube import api_message
 from .locks import KeyedLocks
@@ -60,6 +60,11 @@ RETRY_SECONDS = 5
 # A cache's status, and a gate's message, are written at most this often while
 # reports keep changing them.
 STATUS_INTERVAL = 2.0
+# A node-by-node rollout asks a refused eviction (a PodDisruptionBudget) again this often
+# while nothing else changes; an accepted one is not asked again for EVICTED_SECONDS (the
+# watch shows the pod terminating well before).
+EVICTION_RETRY_SECONDS = 10.0
+EVICTED_SECONDS = 60.0
 
 
 class Kube(Protocol):
@@ -79,6 +84,8 @@ class Kube(Protocol):
                                 condition: Mapping[str, Any]) -> None: ...
 
     async def patch_node_labels(self, node: str, labels: Mapping[str, str | None]) -> None: ...
+
+    async def evict_pod(self, namespace: str, name: str, uid: str) -> None: ...
 
     def post_event(self, obj: Mapping[str, Any], type: str, reason: str, message: str
                    ) -> None: ...
@@ -132,6 +139,11 @@ class Reconciler:
     gates: Written[views.Condition | None] = field(default_factory=Written)
     # Per cache uid: what each node was when its events were last posted.
     announced: dict[str, dict[str, aggregate.NodeState]] = field(default_factory=dict)
+    # Node-by-node rollouts: when each pod (uid) was evicted, the refusal last announced
+    # per pod uid, and per cache uid the pass due to ask refused evictions again.
+    _evicted: dict[str, float] = field(default_factory=dict)
+    _refusals: dict[str, str] = field(default_factory=dict)
+    _eviction_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     # Coalesced writes: cache statuses, and gate messages (filled in __post_init__).
     _statuses: Coalescer = field(init=False)
     _messages: Coalescer = field(init=False)
@@ -316,7 +328,8 @@ class Reconciler:
             if cache is None or cache.deleting:
                 return
             metrics.RECONCILES.labels("cache").inc()
-            result = self._aggregate(state, cache)
+            progress = await self._roll_nodes(state, cache)
+            result = self._aggregate(state, cache, progress)
             try:
                 await self._write_status(cache, result)
             except kopf.TemporaryError as exc:
@@ -363,7 +376,8 @@ class Reconciler:
             if cache is None or cache.deleting:
                 return
             metrics.RECONCILES.labels("status").inc()
-            await self._write_status(cache, self._aggregate(state, cache))
+            progress = await self._roll_nodes(state, cache)
+            await self._write_status(cache, self._aggregate(state, cache, progress))
 
     async def engine_pod(
         self, state: State, namespace: str, name: str, node: str | None,
@@ -510,7 +524,8 @@ class Reconciler:
         parsed = self.parsed(cache)
         return () if isinstance(parsed, SpecError) else parsed[0].engine.namespaces
 
-    def _aggregate(self, state: State, cache: views.CacheView) -> aggregate.Aggregate:
+    def _aggregate(self, state: State, cache: views.CacheView,
+                   progress: rollout.Progress | None = None) -> aggregate.Aggregate:
         now = rfc3339_now()
         old = self.statuses.current(cache.uid, cache.status, cache.resource_version)
         parsed, rendered = self.parsed(cache), self.rendered(cache)
@@ -542,6 +557,7 @@ class Reconciler:
             verdicts=verdicts,
             previous=previous,
             bound=self._bound_counts(state, cache, spec, digest),
+            rollout=progress,
             node_label=names.node_label_key(cache.namespace, cache.name),
             now=now,
         )
@@ -561,6 +577,98 @@ class Reconciler:
                 continue
             counts[generation] = counts.get(generation, 0) + 1
         return counts
+
+    async def _roll_nodes(self, state: State, cache: views.CacheView
+                          ) -> rollout.Progress | None:
+        """A NodeByNode cache's evictions for this pass (rollout.py decides which); None for
+        a Surge cache, where the DaemonSet controller replaces the daemons itself."""
+        parsed = self.parsed(cache)
+        if isinstance(parsed, SpecError) or cache.deleting:
+            return None
+        spec, current = parsed
+        if spec.rollout.strategy != "NodeByNode":
+            return None
+        retiring: dict[str, list[views.EnginePodView]] = {}
+        for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
+            if pod.finished or not pod.node or not _selects(cache, spec, pod):
+                continue
+            try:
+                generation = _pod_generation(cache, current, pod)
+            except gate.InvalidBinding:
+                continue  # its gate says so; what it runs is unknown, so it is not evicted
+            if generation != current:
+                retiring.setdefault(pod.node, []).append(pod)
+        plan = rollout.plan(current, spec.rollout.max_unavailable, state.daemon_pods(cache),
+                            retiring)
+        evicting: list[str] = []
+        blocked: list[str] = []
+        for pod in plan.evict_engines:
+            generation = _pod_generation(cache, current, pod)
+            why = await self._evict(
+                cache, pod.namespace, pod.name, pod.uid,
+                f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
+                f"{generation[:12]}: evicted so that the node's daemon loads {current[:12]} "
+                "alone (rollout.strategy NodeByNode)")
+            (blocked if why else evicting).append(
+                f"{pod.namespace}/{pod.name}" + (f": {why}" if why else ""))
+        for daemon in plan.evict_daemons:
+            why = await self._evict(
+                cache, daemon.namespace, daemon.name, daemon.uid,
+                f"daemon pod {daemon.namespace}/{daemon.name} on node {daemon.node}: no engine "
+                f"pod there runs an older generation any more; its successor loads "
+                f"{current[:12]}")
+            (blocked if why else evicting).append(
+                f"{daemon.namespace}/{daemon.name}" + (f": {why}" if why else ""))
+        if blocked:
+            self._retry_evictions(state, cache)
+        return rollout.Progress(plan.rolling, plan.waiting, tuple(evicting), tuple(blocked))
+
+    async def _evict(self, cache: views.CacheView, namespace: str, name: str, uid: str,
+                     message: str) -> str | None:
+        """Evict one pod; why not, when the apiserver refused (a Warning Event on the cache,
+        once per pod and reason). A pod evicted lately is not asked again."""
+        now = self.clock()
+        if now - self._evicted.get(uid, -EVICTED_SECONDS) < EVICTED_SECONDS:
+            return None
+        if len(self._evicted) >= VERDICT_MEMO_LIMIT:
+            self._evicted.clear()
+            self._refusals.clear()
+        try:
+            await self.kube.evict_pod(namespace, name, uid)
+        except ApiException as exc:
+            if exc.status in (404, 409):  # gone already, or a newer pod of that name
+                return None
+            why = api_message(exc) or f"{exc.status} {exc.reason}"
+            if exc.status != 429:  # 429: a PodDisruptionBudget forbids it for now
+                metrics.ERRORS.labels("eviction").inc()
+                log.warning("evicting pod %s/%s: %s %s: %s", namespace, name, exc.status,
+                            exc.reason, why)
+            if self._refusals.get(uid) != why:
+                self._refusals[uid] = why
+                self.kube.post_event(_cache_ref(cache), "Warning", rollout.EVICTION_BLOCKED,
+                                     f"{message}; refused: {why}")
+            return why
+        self._evicted[uid] = now
+        self._refusals.pop(uid, None)
+        self.kube.post_event(_cache_ref(cache), "Normal", rollout.EVICTED, message)
+        log.info("%s", message)
+        return None
+
+    def _retry_evictions(self, state: State, cache: views.CacheView) -> None:
+        """Ask refused evictions again after EVICTION_RETRY_SECONDS (a PodDisruptionBudget
+        may allow them by then with no event of ours to say so)."""
+        if cache.uid in self._eviction_retries:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+
+        def fire() -> None:
+            self._eviction_retries.pop(cache.uid, None)
+            self.request_status(state, cache.namespace, cache.name)
+
+        self._eviction_retries[cache.uid] = loop.call_later(EVICTION_RETRY_SECONDS, fire)
 
     async def _write_status(self, cache: views.CacheView, result: aggregate.Aggregate) -> None:
         current = self.statuses.current(cache.uid, cache.status, cache.resource_version)

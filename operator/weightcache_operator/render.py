@@ -60,6 +60,16 @@ def render_hash(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def update_strategy(spec: WeightCacheSpec) -> dict[str, Any]:
+    """How the DaemonSet replaces its pods when the weights change: itself, at
+    `maxUnavailable` (Surge), or never (NodeByNode: the operator evicts each node's daemon
+    pod once the engines there that run older weights are gone, rollout.py)."""
+    if spec.rollout.strategy == "NodeByNode":
+        return {"type": "OnDelete"}
+    return {"type": "RollingUpdate",
+            "rollingUpdate": {"maxUnavailable": spec.rollout.max_unavailable}}
+
+
 def render_daemonset(
     cache: CacheRef, spec: WeightCacheSpec, spec_hash: str, policy: Policy, operator_uid: int
 ) -> dict[str, Any]:
@@ -145,8 +155,7 @@ def render_daemonset(
         },
         "spec": {
             "selector": {"matchLabels": selector_labels(cache.namespace, cache.name)},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {
-                "maxUnavailable": spec.rollout.max_unavailable}},
+            "updateStrategy": update_strategy(spec),
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {

@@ -207,8 +207,24 @@ class Flow:
         self.name = f"mini-{uuid.uuid4().hex[:6]}"
         self.daemons: list[DaemonProcess] = []
 
-    def apply_cache(self) -> None:
-        apply(self.cluster, weightcache(self.ns, self.name, self.node))
+    def apply_cache(self, **spec: Any) -> None:
+        apply(self.cluster, weightcache(self.ns, self.name, self.node, **spec))
+
+    def bind_engines_and_change_the_model(self) -> list[str]:
+        """Bind the running engine pods to the generation they run (as the webhook binds
+        at admission), then change the model's revision; the pods' names."""
+        ds = self.api.daemonset(self.ns, self.name)
+        body = {"metadata": {"annotations": {
+            names.binding_key(self.ns, self.name): template_spec_hash(ds)}}}
+        pods = [p.metadata.name for p in self.api.engine_pods(self.ns, self.name)]
+        for pod in pods:
+            self.api.core.patch_namespaced_pod(pod, self.ns, body)
+        self.cluster.kubectl("patch", "wc", "-n", self.ns, self.name, "--type=merge",
+                             "-p", '{"spec":{"model":{"revision":"r2"}}}')
+        return pods
+
+    def gone(self, pods: list[str]) -> bool:
+        return not {p.metadata.name for p in self.api.engine_pods(self.ns, self.name)} & {*pods}
 
     def daemon_pod(self) -> k8s.V1Pod | None:
         pods = [p for p in self.api.daemon_pods(self.ns, self.name)
@@ -455,22 +471,26 @@ def test_each_verb_of_the_operators_roles_is_used(
     operator = ChartOperator(cluster, rel, config, tmp_path / "operator.log")
     flow = Flow(cluster, rel, api, cluster.node_names[1], tmp_path)
     deleted = False
+    retiring: list[str] | None = None
     try:
         # Without list or watch kopf never gets going: do not wait for its liveness.
         operator.start(wait=False)
-        flow.apply_cache()
+        flow.apply_cache(rollout={"strategy": "NodeByNode"})
         flow.deploy_engine("v1", gated=True)
 
         def hit() -> bool:
-            nonlocal deleted
+            nonlocal deleted, retiring
             operator.check_running()
             if any(w in operator.log() for w in wanted):
                 return True
             pod = None if flow.daemons else flow.daemon_pod()
             if pod is not None:
                 flow.start_daemon(pod)
-            if not deleted and flow.daemons and api.status(flow.ns, flow.name).get(
+            if retiring is None and flow.daemons and api.status(flow.ns, flow.name).get(
                     "phase") == "Ready":
+                # A model change node by node: the engine on the old weights is evicted.
+                retiring = flow.bind_engines_and_change_the_model()
+            elif not deleted and retiring is not None and flow.gone(retiring):
                 # The last step of a cache's life: its finalizer deletes the DaemonSet.
                 cluster.kubectl("delete", "wc", "-n", flow.ns, flow.name, "--wait=false")
                 deleted = True

@@ -36,7 +36,8 @@ def waves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     return {w["wave"]: w for w in result["waves"]}
 
 
-WAVES = ["start", "install", "loading", "ready", "degrade", "spec", "bind", "model", "rollback"]
+WAVES = ["start", "install", "loading", "ready", "degrade", "spec", "bind", "model", "rollback",
+         "nodebynode"]
 
 
 def test_every_wave_ran(waves: dict[str, dict[str, Any]]) -> None:
@@ -70,10 +71,21 @@ def test_a_degraded_node_is_named_in_the_status(waves: dict[str, dict[str, Any]]
     assert record["status_ready"] == f"{NODES - 3}/{NODES}"
 
 
-@pytest.mark.parametrize("wave", ["bind", "model", "rollback"])
+@pytest.mark.parametrize("wave", ["bind", "model", "rollback", "nodebynode"])
 def test_no_bound_gate_is_wrong_at_any_moment(waves: dict[str, dict[str, Any]], wave: str) -> None:
     """Issue 36: a bound engine pod's gate never closes while its node holds its weights,
     and never opens where it does not (the harness checks every gate at every poll)."""
     bound = waves[wave]["bound_engines"]
     assert bound["gates_closed_while_weights_held"] == 0, bound["wrong_examples"]
     assert bound["gates_opened_without_weights"] == 0, bound["wrong_examples"]
+
+
+def test_node_by_node_replaces_no_daemon_under_an_old_engine_within_max_unavailable(
+    waves: dict[str, dict[str, Any]]
+) -> None:
+    """Issue 36 item 3: every engine evicted and made again, at most maxUnavailable nodes
+    in flight at any poll, and no node's daemon replaced while its old engine still ran."""
+    figures = waves["nodebynode"]["node_by_node"]
+    assert 1 <= figures["max_nodes_in_flight"] <= figures["max_unavailable_nodes"], figures
+    assert figures["daemons_replaced_under_old_engines"] == 0, figures["examples"]
+    assert waves["nodebynode"]["operator"]["requests"].get("create pods/eviction") == 2 * NODES

@@ -102,3 +102,17 @@ def test_a_bound_gate_not_opened_yet_where_its_weights_are_held_is_latency_not_w
     watch.observe(1.0, "n1", True, waiting)  # the operator has not caught up with the reports
     watch.observe(9.0, "n1", True, waiting)
     assert watch.figures()["gates_closed_while_weights_held"] == 0
+
+
+def test_node_by_node_counts_nodes_in_flight_and_daemons_under_old_engines() -> None:
+    watch = scale.NodeByNodeWatch(grace=2.0)
+    # a: old engine gone, new daemon not Ready (in flight); b: untouched.
+    watch.poll(0.0, {"a": (False, True, False), "b": (True, False, False)})
+    # b's new daemon seen while its old engine still shows: within the grace, watch lag.
+    watch.poll(1.0, {"a": (False, True, True), "b": (True, True, False)})
+    assert watch.replaced_under_old_engine == set()
+    watch.poll(3.5, {"a": (False, True, True), "b": (True, True, False)})
+    assert watch.figures(1) == {"max_nodes_in_flight": 1, "max_unavailable_nodes": 1,
+                                "daemons_replaced_under_old_engines": 1, "examples": ["b"]}
+    watch.poll(4.0, {"a": (False, False, False), "b": (False, True, False)})
+    assert watch.max_in_flight == 2

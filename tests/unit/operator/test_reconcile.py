@@ -91,6 +91,9 @@ class RecordingKube:
     async def patch_node_labels(self, node: str, labels: Mapping[str, str | None]) -> None:
         self._write("labels", (node, dict(labels)))
 
+    async def evict_pod(self, namespace: str, name: str, uid: str) -> None:
+        self._write("evict", (namespace, name, uid))
+
     def post_event(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None:
         self.events.append((obj["kind"], reason))
 
@@ -807,3 +810,87 @@ def test_engine_pods_are_counted_while_they_run_and_recounted_when_they_change(
     status = kube.of("status")[-1]
     assert progressing(status) == ("False", "Complete")
     assert [g["fingerprint"] for g in status["generations"]] == [V2]
+
+
+# ------------------------------------------------------------------ node-by-node rollouts
+
+OLD = "0" * 64
+NODE_BY_NODE = {**SPEC, "rollout": {"strategy": "NodeByNode", "maxUnavailable": 1}}
+
+
+def old_daemon(node: str, terminating: bool = False) -> DaemonPodView:
+    return dataclasses.replace(daemon_pod(name=f"wc-{node}", node=node), spec_hash=OLD,
+                               terminating=terminating, uid=f"uid-wc-{node}")
+
+
+def old_engine(node: str, terminating: bool = False) -> EnginePodView:
+    return dataclasses.replace(engine(name=f"engine-{node}", node=node), terminating=terminating,
+                               bindings={names.binding_key(NS, NAME): OLD})
+
+
+def test_node_by_node_evicts_one_nodes_old_engines_then_its_daemon(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    caches = [cache(spec=NODE_BY_NODE)]
+    daemons = [old_daemon("node-a"), old_daemon("node-b")]
+    unbound = engine(name="unbound", node="node-a")  # judged by the current spec: stays
+    engines = [old_engine("node-a"), old_engine("node-b"), unbound]
+    run(reconciler.status(state(caches, daemons, engines=engines), NS, NAME))
+    assert kube.of("evict") == [(NS, "engine-node-a", "uid-engine-node-a")]
+    assert ("WeightCache", "Evicted") in kube.events
+    assert progressing(kube.of("status")[-1]) == ("True", "RollingNodeByNode")
+    # A lagging index shows the evicted pod still running: it is not evicted twice.
+    run(reconciler.status(state(caches, daemons, engines=engines), NS, NAME))
+    assert len(kube.of("evict")) == 1
+    # Terminating, then gone: only then the node's daemon pod goes, and no other node starts.
+    engines[0] = old_engine("node-a", terminating=True)
+    run(reconciler.status(state(caches, daemons, engines=engines), NS, NAME))
+    assert len(kube.of("evict")) == 1
+    run(reconciler.status(state(caches, daemons, engines=engines[1:]), NS, NAME))
+    assert kube.of("evict")[1:] == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
+
+
+def test_a_refused_eviction_holds_the_rollout_with_an_event_and_a_reason(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    caches = [cache(spec=NODE_BY_NODE)]
+    world = state(caches, [old_daemon("node-a")], engines=[old_engine("node-a")])
+    kube.refuse["evict"] = 429
+    run(reconciler.status(world, NS, NAME))
+    run(reconciler.status(world, NS, NAME))
+    assert kube.events.count(("WeightCache", "EvictionBlocked")) == 1  # once per pod and why
+    (cond,) = [c for c in kube.of("status")[-1]["conditions"] if c["type"] == "Progressing"]
+    assert cond["reason"] == "EvictionBlocked" and f"{NS}/engine-node-a" in cond["message"]
+    del kube.refuse["evict"]
+    run(reconciler.status(world, NS, NAME))
+    assert kube.of("evict") == [(NS, "engine-node-a", "uid-engine-node-a")]
+    assert progressing(kube.of("status")[-1]) == ("True", "RollingNodeByNode")
+
+
+def test_a_surge_cache_evicts_nothing(kube: RecordingKube, reconciler: Reconciler) -> None:
+    world = state([cache()], [old_daemon("node-a")], engines=[old_engine("node-a")])
+    run(reconciler.status(world, NS, NAME))
+    assert kube.of("evict") == []
+
+
+def test_a_cache_evicts_only_pods_it_gates_that_carry_its_own_binding(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Whoever may create a NodeByNode cache gets no eviction beyond the pods that opted
+    into it: a pod its selector does not match, a pod bound to another cache, and a pod
+    whose binding names no generation all stay; only its own bound pod goes."""
+    key = names.binding_key(NS, NAME)
+    not_selected = dataclasses.replace(old_engine("node-a"), name="other-app",
+                                       uid="u-other-app", labels={"app": "other"})
+    other_cache = dataclasses.replace(engine(name="other-cache", node="node-a"),
+                                      bindings={names.binding_key(NS, "other"): OLD})
+    not_a_hash = dataclasses.replace(engine(name="not-a-hash", node="node-a"),
+                                     bindings={key: "v1"})
+    world = state([cache(spec=NODE_BY_NODE)], [old_daemon("node-a")],
+                  engines=[not_selected, other_cache, not_a_hash])
+    run(reconciler.status(world, NS, NAME))
+    # None of them is retiring: the node's daemon is replaced without evicting any of them.
+    assert kube.of("evict") == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
+    run(reconciler.status(state([cache(spec=NODE_BY_NODE)], [old_daemon("node-b")],
+                                engines=[old_engine("node-b")]), NS, NAME))
+    assert kube.of("evict")[1:] == [(NS, "engine-node-b", "uid-engine-node-b")]

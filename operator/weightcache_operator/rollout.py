@@ -1,0 +1,125 @@
+"""A model rollout node by node (`spec.rollout.strategy: NodeByNode`): what to evict now.
+
+For GPUs that cannot hold two generations: a node's daemon pod of an older
+generation is replaced only once no engine pod there still runs an older
+generation, so the new weights never load beside the old engines' mappings.
+The DaemonSet's update strategy is `OnDelete` (render.update_strategy); this
+module decides, from the indices alone, which engine pods and which daemon
+pods the operator evicts in this pass. The decision is stateless and
+deterministic, so a restarted operator continues where the last one stopped:
+
+- A node is *in flight* while it has a terminating engine pod of an older
+  generation or a terminating old daemon pod (it was started), or while its
+  daemon pods are all of the current generation but not all Ready (the new one
+  loads). At most `maxUnavailable` nodes are in flight.
+- Free places go to the nodes still on an older generation, by name.
+- On a started node, every engine pod bound to an older generation is evicted
+  (the Eviction API: PodDisruptionBudgets decide, a refusal holds the node);
+  once none is left, not even terminating (its memory is freed when its
+  processes exit), the old daemon pod is evicted, and the DaemonSet controller
+  makes the new one.
+
+Only engine pods the cache gates and that carry its binding to another
+generation are "retiring" (the caller decides that, reconcile.py): an unbound
+pod is judged by the current spec and never evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .views import DaemonPodView, EnginePodView
+
+# Event reasons on the cache, and the Progressing reasons while a rollout runs.
+EVICTED = "Evicted"
+EVICTION_BLOCKED = "EvictionBlocked"
+ROLLING_NODE_BY_NODE = "RollingNodeByNode"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One pass's evictions and what the rollout is doing."""
+
+    # Engine pods bound to an older generation, on nodes being rolled.
+    evict_engines: tuple[EnginePodView, ...] = ()
+    # Old daemon pods whose nodes have no such engine pod left.
+    evict_daemons: tuple[DaemonPodView, ...] = ()
+    # Nodes in flight after this pass (started, or their new daemon loading), by name.
+    rolling: tuple[str, ...] = ()
+    # Nodes still on an older generation and not started yet.
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a node-by-node rollout's last pass did (the status's Progressing condition)."""
+
+    rolling: tuple[str, ...] = ()
+    waiting: int = 0
+    # Pods asked to leave in the pass ("namespace/name"), and the refusals ("…: why").
+    evicting: tuple[str, ...] = ()
+    blocked: tuple[str, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rolling or self.waiting or self.blocked)
+
+
+def unavailable_budget(max_unavailable: int | str, nodes: int) -> int:
+    """`maxUnavailable` as a node count, a percentage rounded up as the DaemonSet
+    controller rounds it; at least 1."""
+    if isinstance(max_unavailable, str):
+        percent = int(max_unavailable.rstrip("%"))
+        return max(1, math.ceil(nodes * percent / 100))
+    return max(1, max_unavailable)
+
+
+def plan(
+    current: str,
+    max_unavailable: int | str,
+    daemon_pods: Sequence[DaemonPodView],
+    retiring: Mapping[str, Sequence[EnginePodView]],
+) -> Plan:
+    """The evictions of one pass. `daemon_pods`: the cache's own (its DaemonSet's), any
+    state; `retiring`: per node, the engine pods there bound to another generation than
+    `current` and not finished, terminating ones included."""
+    on: dict[str, list[DaemonPodView]] = {}
+    for pod in daemon_pods:
+        if pod.node:
+            on.setdefault(pod.node, []).append(pod)
+    in_flight: list[str] = []
+    candidates: list[str] = []
+    for node in sorted(on):
+        pods = on[node]
+        old = [p for p in pods if p.spec_hash != current]
+        if not old:
+            if any(p.terminating or not p.ready for p in pods):
+                in_flight.append(node)  # its new daemon loads
+            continue
+        engines = retiring.get(node, ())
+        if any(p.terminating for p in old) or any(e.terminating for e in engines):
+            in_flight.append(node)
+        else:
+            candidates.append(node)
+    room = max(0, unavailable_budget(max_unavailable, len(on)) - len(in_flight))
+    started = set(candidates[:room])
+    evict_engines: list[EnginePodView] = []
+    evict_daemons: list[DaemonPodView] = []
+    for node in sorted(on):
+        old = [p for p in on[node] if p.spec_hash != current]
+        if not old or (node not in started and node not in in_flight):
+            continue
+        engines = retiring.get(node, ())
+        live = [e for e in engines if not e.terminating]
+        if live:
+            evict_engines.extend(sorted(live, key=lambda e: (e.namespace, e.name)))
+        elif not engines:
+            evict_daemons.extend(p for p in old if not p.terminating)
+    return Plan(
+        evict_engines=tuple(evict_engines),
+        evict_daemons=tuple(evict_daemons),
+        rolling=tuple(sorted({*in_flight, *started})),
+        waiting=len(candidates) - len(started),
+    )

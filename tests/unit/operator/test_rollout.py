@@ -1,0 +1,104 @@
+"""rollout.py: which engine pods and daemon pods a node-by-node model rollout evicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightcache_operator import rollout
+from weightcache_operator.views import DaemonPodView, EnginePodView
+
+V1, V2 = "1" * 64, "2" * 64
+
+
+def daemon(node: str, spec_hash: str = V1, *, ready: bool = True,
+           terminating: bool = False) -> DaemonPodView:
+    return DaemonPodView(
+        namespace="weightcache-system", name=f"daemon-{node}-{spec_hash[:1]}", cache="c",
+        node=node, phase="Running", ready=ready, terminating=terminating, reports={},
+        spec_hash=spec_hash, created="", uid=f"uid-{node}-{spec_hash[:1]}",
+    )
+
+
+def engine(node: str, name: str = "e", *, terminating: bool = False) -> EnginePodView:
+    return EnginePodView(namespace="ns", name=f"{name}-{node}", uid=f"{name}-{node}",
+                         labels={}, node=node, gate=None, terminating=terminating,
+                         phase="Running")
+
+
+def names(pods: tuple) -> list[str]:
+    return [p.name for p in pods]
+
+
+def test_the_first_nodes_by_name_are_started_and_only_their_old_engines_evicted() -> None:
+    pods = [daemon(n) for n in ("c", "a", "b")]
+    retiring = {n: [engine(n)] for n in ("a", "b", "c")}
+    plan = rollout.plan(V2, 2, pods, retiring)
+    assert names(plan.evict_engines) == ["e-a", "e-b"]
+    assert plan.evict_daemons == ()
+    assert (plan.rolling, plan.waiting) == (("a", "b"), 1)
+
+
+def test_a_node_whose_old_engines_are_gone_gets_its_daemon_replaced() -> None:
+    plan = rollout.plan(V2, 1, [daemon("a"), daemon("b")], {"b": [engine("b")]})
+    assert names(plan.evict_daemons) == ["daemon-a-1"]
+    assert plan.evict_engines == ()
+    assert (plan.rolling, plan.waiting) == (("a",), 1)
+
+
+def test_a_terminating_engine_holds_its_node_in_flight_until_it_is_gone() -> None:
+    """Its processes still map the old weights: the daemon is not replaced yet, and the
+    node takes the only place."""
+    pods = [daemon("a"), daemon("b")]
+    plan = rollout.plan(V2, 1, pods, {"a": [engine("a", terminating=True)],
+                                      "b": [engine("b")]})
+    assert plan.evict_engines == plan.evict_daemons == ()
+    assert (plan.rolling, plan.waiting) == (("a",), 1)
+
+
+def test_a_refused_eviction_is_asked_again_and_holds_the_place() -> None:
+    """A PDB refused one of two engines: the other terminates; the refused one is evicted
+    again each pass, and no other node starts meanwhile."""
+    pods = [daemon("a"), daemon("b")]
+    retiring = {"a": [engine("a", "x", terminating=True), engine("a", "y")],
+                "b": [engine("b")]}
+    plan = rollout.plan(V2, 1, pods, retiring)
+    assert names(plan.evict_engines) == ["y-a"]
+    assert plan.rolling == ("a",)
+    # The evicted one gone, the refused one still there: node a is first by name again.
+    plan = rollout.plan(V2, 1, pods, {"a": [engine("a", "y")], "b": [engine("b")]})
+    assert names(plan.evict_engines) == ["y-a"]
+
+
+def test_a_node_loading_its_new_daemon_counts_against_max_unavailable() -> None:
+    pods = [daemon("a", V2, ready=False), daemon("b"), daemon("c")]
+    retiring = {"b": [engine("b")], "c": [engine("c")]}
+    assert rollout.plan(V2, 1, pods, retiring) == rollout.Plan(rolling=("a",), waiting=2)
+    pods[0] = daemon("a", V2)  # Ready: the next node starts
+    plan = rollout.plan(V2, 1, pods, retiring)
+    assert names(plan.evict_engines) == ["e-b"] and plan.rolling == ("b",)
+
+
+def test_a_terminating_old_daemon_keeps_its_node_in_flight() -> None:
+    pods = [daemon("a", terminating=True), daemon("b")]
+    plan = rollout.plan(V2, 1, pods, {})
+    assert plan == rollout.Plan(rolling=("a",), waiting=1)
+
+
+def test_nothing_moves_once_every_node_holds_the_current_generation() -> None:
+    pods = [daemon("a", V2), daemon("b", V2)]
+    assert rollout.plan(V2, 1, pods, {}) == rollout.Plan()
+
+
+def test_pods_without_a_node_are_left_alone() -> None:
+    pod = daemon("a")
+    unscheduled = DaemonPodView(**{**pod.__dict__, "node": None})
+    assert rollout.plan(V2, 1, [unscheduled], {}) == rollout.Plan()
+
+
+@pytest.mark.parametrize(("value", "nodes", "budget"), [
+    (1, 10, 1), (3, 2, 3), ("10%", 1000, 100), ("10%", 5, 1), ("25%", 10, 3), ("100%", 4, 4),
+])
+def test_max_unavailable_counts_nodes_as_the_daemonset_controller_does(
+    value: int | str, nodes: int, budget: int
+) -> None:
+    assert rollout.unavailable_budget(value, nodes) == budget
