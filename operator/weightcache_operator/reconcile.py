@@ -600,7 +600,6 @@ class Reconciler:
                 retiring.setdefault(pod.node, []).append(pod)
         plan = rollout.plan(current, spec.rollout.max_unavailable, state.daemon_pods(cache),
                             retiring)
-        evicting: list[str] = []
         blocked: list[str] = []
         for pod in plan.evict_engines:
             generation = _pod_generation(cache, current, pod)
@@ -609,19 +608,19 @@ class Reconciler:
                 f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
                 f"{generation[:12]}: evicted so that the node's daemon loads {current[:12]} "
                 "alone (rollout.strategy NodeByNode)")
-            (blocked if why else evicting).append(
-                f"{pod.namespace}/{pod.name}" + (f": {why}" if why else ""))
+            if why:
+                blocked.append(f"{pod.namespace}/{pod.name}: {why}")
         for daemon in plan.evict_daemons:
             why = await self._evict(
                 cache, daemon.namespace, daemon.name, daemon.uid,
                 f"daemon pod {daemon.namespace}/{daemon.name} on node {daemon.node}: no engine "
                 f"pod there runs an older generation any more; its successor loads "
                 f"{current[:12]}")
-            (blocked if why else evicting).append(
-                f"{daemon.namespace}/{daemon.name}" + (f": {why}" if why else ""))
+            if why:
+                blocked.append(f"{daemon.namespace}/{daemon.name}: {why}")
         if blocked:
             self._retry_evictions(state, cache)
-        return rollout.Progress(plan.rolling, plan.waiting, tuple(evicting), tuple(blocked))
+        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked))
 
     async def _evict(self, cache: views.CacheView, namespace: str, name: str, uid: str,
                      message: str) -> str | None:

@@ -58,8 +58,7 @@ class Progress:
 
     rolling: tuple[str, ...] = ()
     waiting: int = 0
-    # Pods asked to leave in the pass ("namespace/name"), and the refusals ("…: why").
-    evicting: tuple[str, ...] = ()
+    # The pass's refused evictions ("namespace/name: why").
     blocked: tuple[str, ...] = ()
 
     @property
