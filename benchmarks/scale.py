@@ -256,7 +256,8 @@ class BindingWatch:
 @dataclass
 class NodeByNodeWatch:
     """A node-by-node rollout, poll by poll: nodes in flight (the old engine gone, the new
-    daemon not Ready yet) and new daemons that came while the node's old engine still ran.
+    daemon pod not Ready yet: the operator's and the DaemonSet controller's measure) and new
+    daemons that came while the node's old engine still ran.
 
     Watches of engine and daemon pods deliver in no common order: a new daemon counts as
     replaced under an old engine only when the engine was still seen `grace` seconds after
@@ -765,7 +766,7 @@ class FleetRun:
             {"spec": {"model": {"revision": revision}, "rollout": {"strategy": "NodeByNode"}}},
             content_type="application/merge-patch+json")
         changes.other = 1
-        watch, gates = NodeByNodeWatch(), BindingWatch()
+        watch, gates_watch = NodeByNodeWatch(), BindingWatch()
         recreated: set[str] = set()
         done: dict[str, DaemonPod] = {}
         futures = []
@@ -779,29 +780,32 @@ class FleetRun:
                 now = time.monotonic()
                 running = self.view.running_daemons()
                 with self.view.lock:
-                    engines = {e.node: e.gate for e in self.view.engines.values()}
+                    gates = {e.name: e.gate for e in self.view.engines.values()}
                 seen: dict[str, tuple[bool, bool, bool]] = {}
                 for node in self.nodes:
-                    if node not in engines and node not in recreated:
+                    # A new name, as a Deployment's new pod has (kwok may still be deleting
+                    # the evicted one by its name).
+                    was, now_named = f"engine-{node}", f"engine-{node}-{revision}"
+                    if was not in gates and node not in recreated:
                         body = engine_pod(node)
+                        body["metadata"]["name"] = now_named
                         body["metadata"]["annotations"] = {
                             names.binding_key(NAMESPACE, CACHE): new}
-                        created = self.api.request(  # 409: the evicted one is not gone yet
-                            "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body, ok=(409,))
-                        if created.get("kind") == "Pod":
-                            recreated.add(node)
+                        self.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body)
+                        recreated.add(node)
                     pod = running.get(node)
                     fresh = pod is not None and pod.spec_hash == new
                     if fresh and (node not in done or done[node].uid != pod.uid):
                         done[node] = pod
                         futures.append(pool.submit(self._load, pod, changes))
-                    ready = fresh and pod.uid in self.ready_uids
-                    seen[node] = (node in engines and node not in recreated, fresh, ready)
-                    if node in engines:
-                        bound = new if node in recreated else old
-                        held = (pod is not None and pod.spec_hash == bound
-                                and pod.uid in self.ready_uids)
-                        gates.observe(now, f"{node}/{bound[:12]}", held, engines[node])
+                    # In flight as the operator counts it: until the new daemon pod runs
+                    # (Ready, which kwok marks at once; the reports follow).
+                    seen[node] = (was in gates, fresh, fresh)
+                    for name, bound in ((was, old), (now_named, new)):
+                        if name in gates:
+                            held = (pod is not None and pod.spec_hash == bound
+                                    and pod.uid in self.ready_uids)
+                            gates_watch.observe(now, f"{node}/{bound[:12]}", held, gates[name])
                 watch.poll(now, seen)
                 time.sleep(POLL)
             for f in futures:
@@ -810,7 +814,7 @@ class FleetRun:
             pool.shutdown(wait=True)
         changes.extra["rollout_s"] = round(time.monotonic() - changes.started, 1)
         changes.extra["node_by_node"] = watch.figures(budget)
-        changes.extra["bound_engines"] = gates.figures()
+        changes.extra["bound_engines"] = gates_watch.figures()
         self.spec_hash = new
         self.reported = {n: done[n].name if n in done else "<not rolled>" for n in self.nodes}
         return changes
