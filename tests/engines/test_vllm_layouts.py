@@ -203,6 +203,32 @@ def test_a_quantized_model_is_loaded_by_vllms_own_loader_from_disk(
     assert any(p.dtype == torch.int8 for p in ours_params.values())  # quantized experts
 
 
+def refusals_ours_and_cold(
+    model_dir: Path, socket: str, caplog
+) -> tuple[int, Exception, Exception]:
+    """vLLM's refusal (``ValueError``) of ``model_dir`` through weightcache (the daemon at
+    ``socket``; its WARNINGs captured) and on a cold start, with the daemon bytes the worker
+    counted for ours."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    ours_config = engine_config(model_dir, load_format="weightcache",
+                                model_loader_extra_config={"socket": socket})
+    with caplog.at_level("WARNING", logger="weightcache"):
+        with set_current_vllm_config(ours_config):
+            loader = get_model_loader(ours_config.load_config)
+            external = loader.get_external_weight_memory(ours_config)
+            with pytest.raises(ValueError) as ours:
+                loader.load_model(ours_config, ours_config.model_config)
+    cold_config = engine_config(model_dir)
+    with set_current_vllm_config(cold_config):
+        with pytest.raises(ValueError) as cold:
+            get_model_loader(cold_config.load_config).load_model(
+                cold_config, cold_config.model_config
+            )
+    return external, ours.value, cold.value
+
+
 def checkpoint_variant(base: Path, where: Path, edit) -> Path:
     """``base``'s checkpoint with its tensors (a dict) changed by ``edit``."""
     import shutil
@@ -226,8 +252,6 @@ def test_a_missing_or_extra_tensor_is_refused_as_vllm_refuses_it_naming_it(
     on a cold start, naming the tensor; never a model with an empty parameter. A tensor
     vLLM has no parameter for: vLLM's loader refuses it, through weightcache as cold."""
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
 
     name = ("model.layers.0.post_attention_layernorm.weight" if change == "missing"
             else "model.layers.0.mlp.extra_proj.weight")  # fmt: skip
@@ -241,26 +265,12 @@ def test_a_missing_or_extra_tensor_is_refused_as_vllm_refuses_it_naming_it(
     model_dir = checkpoint_variant(tiny_dirs["llama"], tmp_path / change, edit)
     daemon = session_daemons(model_dir, "--transport", "memfd")
     try:
-        extra = {"socket": daemon.socket}
-        ours_config = engine_config(model_dir, load_format="weightcache",
-                                    model_loader_extra_config=extra)
-        with caplog.at_level("WARNING", logger="weightcache"):
-            with set_current_vllm_config(ours_config):
-                loader = get_model_loader(ours_config.load_config)
-                external = loader.get_external_weight_memory(ours_config)
-                with pytest.raises(ValueError) as ours:
-                    loader.load_model(ours_config, ours_config.model_config)
-        cold_config = engine_config(model_dir)
-        with set_current_vllm_config(cold_config):
-            with pytest.raises(ValueError) as cold:
-                get_model_loader(cold_config.load_config).load_model(
-                    cold_config, cold_config.model_config
-                )
+        external, ours, cold = refusals_ours_and_cold(model_dir, daemon.socket, caplog)
     finally:
         daemon.terminate()
-    assert str(ours.value) == str(cold.value)
+    assert str(ours) == str(cold)
     short = name.removeprefix("model.").removesuffix(".weight")
-    assert short in str(cold.value)  # vLLM names it
+    assert short in str(cold)  # vLLM names it
     ours_warnings = [r.getMessage() for r in caplog.records if r.name.startswith("weightcache")]
     if change == "missing":
         assert external == 0
@@ -335,9 +345,6 @@ def test_a_checkpoint_layout_missing_a_tensor_goes_to_vllms_own_load_and_its_ref
     tensor leaves a parameter on meta: the discarded model's layers leave vLLM's registry
     and vLLM's own loader refuses the checkpoint as on a cold start, naming the tensor
     (before: "Duplicate layer name", from the discarded model's attention layers)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
-
     from weightcache.integrations.vllm.loader import WeightcacheModelLoader
 
     def untraceable(*args, **kwargs):
@@ -349,24 +356,12 @@ def test_a_checkpoint_layout_missing_a_tensor_goes_to_vllms_own_load_and_its_ref
                                    lambda tensors: tensors.pop(name))  # fmt: skip
     daemon = session_daemons(model_dir, "--transport", "memfd")
     try:
-        ours_config = engine_config(model_dir, load_format="weightcache",
-                                    model_loader_extra_config={"socket": daemon.socket})
-        with caplog.at_level("WARNING", logger="weightcache"):
-            with set_current_vllm_config(ours_config):
-                loader = get_model_loader(ours_config.load_config)
-                assert loader.get_external_weight_memory(ours_config) > 0
-                with pytest.raises(ValueError) as ours:
-                    loader.load_model(ours_config, ours_config.model_config)
-        cold_config = engine_config(model_dir)
-        with set_current_vllm_config(cold_config):
-            with pytest.raises(ValueError) as cold:
-                get_model_loader(cold_config.load_config).load_model(
-                    cold_config, cold_config.model_config
-                )
+        external, ours, cold = refusals_ours_and_cold(model_dir, daemon.socket, caplog)
     finally:
         daemon.terminate()
-    assert "Duplicate layer name" not in str(ours.value)
-    assert str(ours.value) == str(cold.value)
+    assert external > 0  # the layout was had; the load found the parameter unfilled
+    assert "Duplicate layer name" not in str(ours)
+    assert str(ours) == str(cold)
     assert any(
         "incomplete, so vLLM's default loader loads it from disk" in r.getMessage()
         and name in r.getMessage() for r in caplog.records
