@@ -568,14 +568,9 @@ class Reconciler:
         those terminating or finished (Succeeded, Failed: an evicted pod stays until it is
         collected), scheduled or not."""
         counts: dict[str, int] = {}
-        for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
-            if pod.terminating or pod.finished or not _selects(cache, spec, pod):
-                continue
-            try:
-                generation = _pod_generation(cache, current, pod)
-            except gate.InvalidBinding:
-                continue
-            counts[generation] = counts.get(generation, 0) + 1
+        for pod, generation in _running_generations(state, cache, spec, current):
+            if not pod.terminating:
+                counts[generation] = counts.get(generation, 0) + 1
         return counts
 
     async def _roll_nodes(self, state: State, cache: views.CacheView
@@ -589,20 +584,16 @@ class Reconciler:
         if spec.rollout.strategy != "NodeByNode":
             return None
         retiring: dict[str, list[views.EnginePodView]] = {}
-        for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
-            if pod.finished or not pod.node or not _selects(cache, spec, pod):
-                continue
-            try:
-                generation = _pod_generation(cache, current, pod)
-            except gate.InvalidBinding:
-                continue  # its gate says so; what it runs is unknown, so it is not evicted
-            if generation != current:
+        runs: dict[str, str] = {}
+        for pod, generation in _running_generations(state, cache, spec, current):
+            if generation != current and pod.node:
                 retiring.setdefault(pod.node, []).append(pod)
+                runs[pod.uid] = generation
         plan = rollout.plan(current, spec.rollout.max_unavailable, state.daemon_pods(cache),
                             retiring)
         blocked: list[str] = []
         for pod in plan.evict_engines:
-            generation = _pod_generation(cache, current, pod)
+            generation = runs[pod.uid]
             why = await self._evict(
                 cache, pod.namespace, pod.name, pod.uid,
                 f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
@@ -747,6 +738,23 @@ def _selects(cache: views.CacheView, spec: WeightCacheSpec, pod: views.EnginePod
             return True
     return (pod.cache == cache.name and pod.cache_namespace == cache.namespace
             and (pod.namespace == cache.namespace or pod.namespace in spec.engine.namespaces))
+
+
+def _running_generations(
+    state: State, cache: views.CacheView, spec: WeightCacheSpec, current: str
+) -> list[tuple[views.EnginePodView, str]]:
+    """The cache's engine pods that run something (not finished: an evicted pod stays until
+    it is collected), terminating ones included, each with the generation it is bound to;
+    a pod whose binding names none is left out (its gate says so; what it runs is unknown)."""
+    out = []
+    for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
+        if pod.finished or not _selects(cache, spec, pod):
+            continue
+        try:
+            out.append((pod, _pod_generation(cache, current, pod)))
+        except gate.InvalidBinding:
+            continue
+    return out
 
 
 def _pod_generation(cache: views.CacheView, current: str, pod: views.EnginePodView) -> str:

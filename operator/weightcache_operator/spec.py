@@ -31,6 +31,7 @@ TRANSPORTS: tuple[str, ...] = get_args(Transport)
 DEVICES: tuple[str, ...] = get_args(Device)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 GPU_ACCESS_MODES: tuple[str, ...] = get_args(GpuAccessMode)
+ROLLOUT_STRATEGIES: tuple[str, ...] = get_args(RolloutStrategy)
 
 DEFAULT_SOCKET_DIR = "/var/run/weightcache"
 DEFAULT_HTTP_PORT = 8470

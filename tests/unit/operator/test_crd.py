@@ -84,6 +84,7 @@ def test_patterns_equal_parser_patterns(schema: dict[str, Any]) -> None:
     assert props["model"]["properties"]["dtype"]["enum"] == list(spec.DTYPES)
     assert props["gpuAccess"]["properties"]["mode"]["enum"] == list(spec.GPU_ACCESS_MODES)
     assert props["gpus"]["properties"]["perNode"]["maximum"] == spec.MAX_GPUS_PER_NODE
+    assert props["rollout"]["properties"]["strategy"]["enum"] == list(spec.ROLLOUT_STRATEGIES)
     max_unavailable = props["rollout"]["properties"]["maxUnavailable"]
     assert max_unavailable["pattern"] == spec.PERCENT_RE.pattern
     assert (max_unavailable["minimum"], max_unavailable["maximum"]) == (1, spec.MAX_INT32)

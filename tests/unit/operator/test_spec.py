@@ -107,6 +107,8 @@ def test_slots_follow_gpus_per_node_and_cpu_has_one() -> None:
         ({**MINIMAL, "rollout": {"maxUnavailable": "5"}}, "spec.rollout.maxUnavailable"),
         ({**MINIMAL, "rollout": {"maxUnavailable": True}}, "spec.rollout.maxUnavailable"),
         ({**MINIMAL, "rollout": {"maxUnavailable": 2**31}}, "spec.rollout.maxUnavailable"),
+        ({**MINIMAL, "rollout": {"strategy": "Fast"}}, "spec.rollout.strategy"),
+        ({**MINIMAL, "rollout": {"strategy": "nodebynode"}}, "spec.rollout.strategy"),
     ],
 )
 def test_invalid_specs_name_the_field(raw: dict, field: str) -> None:
