@@ -1,12 +1,17 @@
 """The GPU suite's record: which sidecar/ tree passed tests/gpu on which GPU.
 
-    python -m tools.gpu_suite run      # on a CUDA machine: pytest tests/gpu, then the record
-    python -m tools.gpu_suite check    # anywhere (CI): warn when the record is not main's
+    python -m tools.gpu_suite run [--tier smoke]  # CUDA machine: pytest tests/gpu, its record
+    python -m tools.gpu_suite check               # anywhere (CI): warn on a record not main's
 
 CI has no GPU, so a change to ``sidecar/`` lands with a record of the GPU suite run on
 its own tree (0 failed): ``benchmarks/results/gpu-suite.json`` holds the date, the
-device, driver, torch and CUDA, the counts with the failed and skipped test ids, and
-``sidecar_tree``, the git tree hash of ``sidecar/`` it ran on.
+device, driver, torch and CUDA, the tier, the counts with the failed and skipped test
+ids, each test's seconds, and ``sidecar_tree``, the git tree hash of ``sidecar/`` it ran
+on. The ``smoke`` tier (the tests marked ``smoke``: every transport on CUDA, a 16 GB
+layout over vmm_fd, the adapters' GPU paths, KV, re-adoption; about 4 minutes) is what
+every change to ``sidecar/`` needs, since GPU time comes in 30-minute sessions whose
+machine may not start; ``full`` (the default) adds the replays of the MoE plan, peer
+seeding, tensor parallelism and the rest, when time allows.
 
 That hash is computed from the files themselves, the way git hashes a tree, so the
 record can be written on a GPU machine that received a copy of the working tree without
@@ -35,6 +40,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD = REPO_ROOT / "benchmarks" / "results" / "gpu-suite.json"
 TREE = "sidecar"
+# pytest's selection of each tier.
+TIERS = {"smoke": ["-m", "smoke"], "full": []}
 
 
 # ---------------------------------------------------------------- git's tree hash
@@ -131,8 +138,10 @@ class Outcomes:
     passed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # test id -> reason
+    seconds: dict[str, float] = field(default_factory=dict)  # test id -> set-up, call, teardown
 
     def pytest_runtest_logreport(self, report) -> None:
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
         if report.failed:
             if report.nodeid not in self.failed:
                 self.failed.append(report.nodeid)
@@ -155,6 +164,8 @@ class Outcomes:
             "skipped": len(self.skipped),
             "failed_tests": self.failed,
             "skipped_tests": self.skipped,
+            # What each test costs, to keep the smoke tier within its minutes.
+            "test_seconds": {test: round(s, 1) for test, s in self.seconds.items()},
         }
 
 
@@ -178,10 +189,13 @@ def machine() -> dict:
     }
 
 
-def record(outcomes: dict, sidecar_tree: str, exit_status: int, seconds: float) -> dict:
+def record(
+    outcomes: dict, sidecar_tree: str, exit_status: int, seconds: float, tier: str
+) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **machine(),
+        "tier": tier,
         "sidecar_tree": sidecar_tree,
         "pytest_exit_status": exit_status,
         "seconds": round(seconds, 1),
@@ -193,7 +207,7 @@ def say(message: str) -> None:
     print(f"gpu_suite: {message}", file=sys.stderr)
 
 
-def run(out: Path, expect_tree: str | None = None) -> int:
+def run(out: Path, expect_tree: str | None = None, tier: str = "full") -> int:
     import time
 
     import pytest
@@ -218,16 +232,16 @@ def run(out: Path, expect_tree: str | None = None) -> int:
     outcomes = Outcomes()
     started = time.monotonic()
     os.environ.setdefault("WEIGHTCACHE_RESULTS_DIR", str(out.parent))
-    argv = ["-rs", "-s", "-p", "no:cacheprovider", str(REPO_ROOT / "tests" / "gpu")]
+    argv = ["-rs", "-s", "-p", "no:cacheprovider", *TIERS[tier], str(REPO_ROOT / "tests" / "gpu")]
     status = int(pytest.main(argv, plugins=[outcomes]))
     if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         say(f"pytest ended with {pytest.ExitCode(status).name}: no record written")
         return status
-    result = record(outcomes.finished(), sidecar_tree, status, time.monotonic() - started)
+    result = record(outcomes.finished(), sidecar_tree, status, time.monotonic() - started, tier)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     counts = f"{result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped"
-    print(f"gpu_suite: {counts} on {result['device']}; wrote {out}", flush=True)
+    print(f"gpu_suite: {tier} tier: {counts} on {result['device']}; wrote {out}", flush=True)
     return status
 
 
@@ -247,7 +261,7 @@ def check(path: Path, repo: Path = REPO_ROOT) -> int:
     if recorded and recorded.get("sidecar_tree") != head:
         problems.append(
             f"it ran on {TREE}/ tree {recorded.get('sidecar_tree')}, but HEAD:{TREE} is {head}: "
-            f"the GPU suite has not run on this {TREE}/"
+            f"the GPU suite (its smoke tier at least) has not run on this {TREE}/"
         )
     if recorded.get("failed"):
         problems.append(f"it records {recorded['failed']} failed: {recorded.get('failed_tests')}")
@@ -273,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run: the sidecar/ tree the files must hash to (`git rev-parse HEAD:sidecar` "
         "where the commit is), for a copy whose git metadata is missing or not its own",
     )
+    parser.add_argument("--tier", choices=sorted(TIERS), default="full",
+                        help="run: the smoke tier (tests marked smoke) or the full suite")
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.record, args.expect_tree)
+        return run(args.record, args.expect_tree, args.tier)
     if args.command == "check":
         return check(args.record)
     print(tree_hash(REPO_ROOT, TREE))

@@ -32,6 +32,7 @@ from weightcache.devices import gpu_uuid
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.smoke,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 

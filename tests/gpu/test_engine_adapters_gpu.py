@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,8 @@ from weightcache.integrations.settings import AdapterSettings
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CASES = [
-    pytest.param("cuda", "vmm_fd", marks=[pytest.mark.gpu, needs_cuda]),
-    pytest.param("cuda", "torch_ipc", marks=[pytest.mark.gpu, needs_cuda]),
+    pytest.param("cuda", "vmm_fd", marks=[pytest.mark.gpu, pytest.mark.smoke, needs_cuda]),
+    pytest.param("cuda", "torch_ipc", marks=[pytest.mark.gpu, pytest.mark.smoke, needs_cuda]),
     pytest.param("cpu", "memfd"),
 ]
 
@@ -130,3 +131,79 @@ def test_adapter_path_maps_llama_bit_equal_to_a_cold_load(
     finally:
         loading.forget_attachments()
         daemon.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+@needs_cuda
+def test_the_layout_decision_leaves_the_device_as_the_engine_found_it(run_dir, tmp_path):
+    """Issue 41: vLLM takes its memory snapshot right after the layout decision. The trace
+    builds a throwaway model with the GPU as the default device, as engines build theirs,
+    so each parameter is allocated there before it moves to meta; the decision must give
+    all of it back, or the engine's later load releases it and its profiler finds more
+    free memory than at its snapshot. What remains is the mapping's page tables."""
+    from transformers import LlamaForCausalLM
+
+    from weightcache.checkpoint import checkpoint_sources, read_checkpoint
+    from weightcache.devices import gpu_uuid
+    from weightcache.integrations import layouts
+    from weightcache.integrations.trace import trace_load
+
+    device, uuid = torch.device("cuda", 0), gpu_uuid(0)
+    config = llama_config()
+    checkpoint = tmp_path / "llama"
+    torch.manual_seed(3)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(checkpoint)
+    log = tmp_path / "daemon.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(checkpoint),
+         "--socket-dir", str(run_dir), "--cache", "ns.llama", "--gpu-uuid", uuid,
+         "--transport", "vmm_fd", "--http-address", "none"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    daemon = DaemonProcess("", proc, log)
+    settings = AdapterSettings.from_sources(
+        {"socket_dir": str(run_dir), "cache": "ns.llama", "transports": ["vmm_fd"],
+         "wait_ready_s": 120}, {},
+    )  # fmt: skip
+    socket = settings.socket_for(uuid)
+    target = EngineTarget(model_dir=checkpoint, dtype=torch.bfloat16, device=device)
+    reserved_in_trace: list[int] = []
+
+    def trace():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with device, meta_parameters():
+                twin = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        reserved_in_trace.append(torch.cuda.memory_reserved(device))
+        params = dict(twin.named_parameters())
+
+        def load(weights):
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+        return trace_load(twin, checkpoint_sources(read_checkpoint(checkpoint)), load)
+
+    try:
+        while not Path(socket).exists() and proc.poll() is None:
+            time.sleep(0.1)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # where vLLM stands before it asks: nothing cached
+        reserved_before = torch.cuda.memory_reserved(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        decided = layouts.engine_layout(settings, socket, expected_configs(target, own_layout=True),
+                                        trace)  # fmt: skip
+        assert decided.attached is not None, f"{decided.reason}\n{log.read_text()}"
+        torch.cuda.synchronize(device)
+        # The trace did allocate the model on the GPU (else this proves nothing) ...
+        assert reserved_in_trace and reserved_in_trace[0] > reserved_before
+        # ... and gave it all back: the allocator holds what it held, the driver's free
+        # memory moved only by the new mapping's page tables.
+        assert torch.cuda.memory_reserved(device) == reserved_before
+        assert 0 <= free_before - torch.cuda.mem_get_info(device)[0] <= 2 * MiB
+    finally:
+        layouts.forget_layouts()
+        daemon.stop()
+

@@ -178,7 +178,14 @@ def _replay_name(paths: list[Path]) -> str:
     return "_and_".join(p.stem for p in paths)
 
 
-@pytest.mark.parametrize("paths", fixtures_by_plan(), ids=_replay_name)
+def _replays() -> list:
+    """One replay per recorded plan; Llama-3-8B's (a 16 GB layout over vmm_fd) is in the
+    smoke tier."""
+    return [pytest.param(paths, marks=[pytest.mark.smoke] if "llama" in _replay_name(paths) else [])
+            for paths in fixtures_by_plan()]  # fmt: skip
+
+
+@pytest.mark.parametrize("paths", _replays(), ids=_replay_name)
 def test_engine_free_replay_maps_every_parameter_bit_equal_with_no_extra_memory(
     paths: list[Path], checkpoints: Checkpoints
 ):

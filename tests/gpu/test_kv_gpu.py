@@ -39,6 +39,7 @@ from weightcache.kv import (
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.smoke,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 

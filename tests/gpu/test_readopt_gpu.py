@@ -160,6 +160,7 @@ def cold_logits(checkpoint: Path) -> torch.Tensor:
     return llama_logits(cold.eval())
 
 
+@pytest.mark.smoke
 def test_gpu_digest_equals_the_cpu_computation() -> None:
     # Several 8 MiB chunks and a partial one: the same integers on either device.
     buffer = torch.randint(0, 256, (20 * (1 << 20) + 256,), dtype=torch.uint8)
@@ -167,6 +168,7 @@ def test_gpu_digest_equals_the_cpu_computation() -> None:
     assert linear_digest(buffer.to(CUDA), key) == linear_digest(buffer, key)
 
 
+@pytest.mark.smoke
 def test_restart_readopts_from_a_live_engine_and_logits_equal_a_cold_load(
     llama_dir, model, run_dir, processes
 ) -> None:

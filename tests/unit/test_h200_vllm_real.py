@@ -20,6 +20,7 @@ from benchmarks import h200_vllm_real as bench
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "plans" / "vllm-llama-3-8b.json"
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -50,12 +51,22 @@ def test_bad_arguments_are_refused(argv: list[str]) -> None:
         bench.parse_args(argv, {})
 
 
-def test_each_arm_has_an_uncounted_first_start_then_its_restarts_and_one_eager() -> None:
+def test_each_arm_has_an_uncounted_first_start_then_its_restarts_eager_and_tight() -> None:
     plans = bench.schedule("warm", 3)
-    assert [p.run for p in plans] == ["warm-first", "warm-1", "warm-2", "warm-3", "warm-eager"]
-    assert [p.counted for p in plans] == [False, True, True, True, True]
-    assert [p.eager for p in plans] == [False, False, False, False, True]
+    assert [p.run for p in plans] == ["warm-first", "warm-1", "warm-2", "warm-3", "warm-eager",
+                                      "warm-tight", "warm-tight-eager"]  # fmt: skip
+    assert [p.counted for p in plans] == [False] + [True] * 6
+    assert [p.mode for p in plans] == ["graphs"] * 4 + ["eager", "tight_graphs", "tight_eager"]
+    # Eager starts are the deterministic ones: bit-equal outputs are required of them.
+    assert [p.deterministic for p in plans] == [p.eager for p in plans]
     assert {p.arm for p in plans} == {"warm"}
+    # The cold arm starts deterministic twice: the second shows the mode holds on the GPU.
+    cold = bench.schedule("cold", 1)
+    assert [p.run for p in cold if p.deterministic] == ["cold-eager", "cold-eager-2",
+                                                         "cold-tight-eager"]  # fmt: skip
+    # Every KV pair names starts the schedules make.
+    runs = {p.run for p in plans + cold}
+    assert all({c, w} <= runs for _, c, w in bench.KV_PAIRS)
     with pytest.raises(ValueError):
         bench.schedule("tepid", 3)
     with pytest.raises(ValueError):
@@ -139,6 +150,17 @@ def test_outputs_equal_only_when_every_token_and_logprob_is() -> None:
     assert bench.outputs_digest(reference) == bench.outputs_digest(json.loads(json.dumps(
         reference)))
     assert bench.outputs_digest(reference) != bench.outputs_digest(other)
+
+    # The prompt's logprobs count too: equal generations with another prompt logprob differ.
+    with_prompt = copy.deepcopy(reference)
+    for out in with_prompt:
+        out["prompt_logprobs"] = [[[5, -2.0], [6, -3.0]]]
+    moved = copy.deepcopy(with_prompt)
+    moved[0]["prompt_logprobs"][0][1][1] = -3.5
+    result = bench.compare_outputs(with_prompt, moved)
+    assert not result["equal"] and result["token_ids_equal"]
+    assert (result["max_abs_prompt_logprob_difference"], result["max_abs_logprob_difference"]) \
+        == (0.5, 0.0)
 
 
 # ----------------------------------------------------------------------------- KV
@@ -266,15 +288,20 @@ def test_nvidia_smis_process_list_is_read_by_pid() -> None:
 
 
 def start(run: str, arm: str, *, eager: bool = False, counted: bool = True, blocks: int = 100,
-          first_token: float = 10.0, equal: bool | None = True, load: int = 0) -> dict:
+          first_token: float = 10.0, equal: bool | None = True, load: int = 0,
+          deterministic: bool = False, difference: float = 0.0, used: int = 0) -> dict:
     fig = figures(total=H200, util=0.9, external=0 if arm == "cold" else 16 * GiB,
                   load=load, other=GiB, transient=GiB, cudagraph=0, applied=True,
                   per_block=2 << 20)  # fmt: skip
     fig["num_gpu_blocks"] = blocks
+    fig["device_used_bytes"] = used
+    comparison = None if equal is None else {
+        "equal": equal, "max_abs_logprob_difference": difference,
+        "max_abs_prompt_logprob_difference": difference / 2}  # fmt: skip
     return {"run": run, "arm": arm, "eager": eager, "counted": counted, "status": "ok",
+            "deterministic": deterministic,
             "timing": {"first_token_s": first_token, "ready_s": first_token - 1},
-            "figures": fig,
-            "comparison": None if equal is None else {"equal": equal}}  # fmt: skip
+            "figures": fig, "comparison": comparison}  # fmt: skip
 
 
 def test_a_new_result_is_well_formed_and_broken_ones_are_named() -> None:
@@ -294,25 +321,46 @@ def test_the_report_compares_outputs_restarts_and_kv_of_what_ran() -> None:
     doc = bench.new_result()
     doc["starts"] = [
         start("cold-first", "cold", counted=False, first_token=60.0, equal=None, load=16 * GiB),
-        start("cold-1", "cold", first_token=30.0, load=16 * GiB),
-        start("cold-2", "cold", first_token=32.0, load=16 * GiB),
-        start("cold-eager", "cold", eager=True, first_token=20.0, equal=None, load=16 * GiB),
-        start("warm-1", "warm", first_token=21.0, blocks=99),
-        start("warm-2", "warm", first_token=23.0, equal=False),
+        start("cold-1", "cold", first_token=30.0, load=16 * GiB, difference=0.25,
+              used=20 * GiB),
+        start("cold-2", "cold", first_token=32.0, load=16 * GiB, difference=0.5),
+        start("cold-eager", "cold", eager=True, first_token=20.0, equal=None, load=16 * GiB,
+              deterministic=True),
+        start("cold-eager-2", "cold", eager=True, load=16 * GiB, deterministic=True),
+        start("warm-1", "warm", first_token=21.0, blocks=99, difference=0.375, equal=False,
+              used=20 * GiB + 600 * MiB),
+        start("warm-2", "warm", first_token=23.0, difference=0.75, equal=False),
+        start("warm-eager", "warm", eager=True, blocks=101, deterministic=True, equal=False),
         {"run": "warm-3", "arm": "warm", "eager": False, "counted": True, "status": "failed"},
-    ]
+    ]  # fmt: skip
+    # The daemon: the weights' allocation (16 GiB) and 512 MiB of its own.
+    doc["daemon_after_warm"] = {"status": {"pid": 7}, "compute_apps_mib": {"7": 16 * 1024 + 512}}
     report = bench.build_report(doc)
-    assert report["starts_ok"] == 6 and report["starts_failed"] == 1
-    assert report["outputs_equal"] == {"cold-1": True, "cold-2": True, "warm-1": True,
-                                       "warm-2": False}  # fmt: skip
-    assert report["all_outputs_equal"] is False
+    assert report["starts_ok"] == 8 and report["starts_failed"] == 1
+    assert report["outputs_equal"] == {"cold-1": True, "cold-2": True, "cold-eager-2": True,
+                                       "warm-1": False, "warm-2": False,
+                                       "warm-eager": False}  # fmt: skip
+    # Graphs: the cold starts' noise floor is 0.5; warm-2 differs by 0.75: outside it.
+    graphs = report["outputs"]["graphs"]
+    assert (graphs["cold_vs_cold_floor"], graphs["warm_max_difference"]) == (0.5, 0.75)
+    assert graphs["warm_within_floor"] is False
+    # Deterministic: cold equals cold (the mode holds), so warm must be bit-equal: it is not.
+    assert report["outputs"]["deterministic"] == {
+        "method": "VLLM_BATCH_INVARIANT=1, eager: bit-equal required",
+        "cold_vs_cold_bit_equal": True, "warm_bit_equal": False}  # fmt: skip
     cold = report["restarts"]["cold_graphs"]["first_token_s"]
     assert (cold["median"], cold["runs"]) == (31.0, 2)  # the first start is not counted
     assert report["restarts"]["warm_graphs"]["first_token_s"]["samples"] == [21.0, 23.0]
-    assert report["restarts"]["warm_eager"]["first_token_s"] is None
-    assert set(report["kv"]) == {"graphs"}  # no warm eager start yet
-    assert report["kv"]["graphs"]["num_gpu_blocks"] == {"cold": 100, "warm": 99,
-                                                        "difference": -1}  # fmt: skip
+    assert report["restarts"]["warm_tight_eager"]["first_token_s"] is None
+    assert set(report["kv"]) == {"graphs", "eager"}  # no tight start yet
+    graphs_kv = report["kv"]["graphs"]
+    assert graphs_kv["num_gpu_blocks"] == {"cold": 100, "warm": 99, "difference": -1}
+    assert graphs_kv["warm_blocks_at_most_cold"] is True
+    assert report["kv"]["eager"]["warm_blocks_at_most_cold"] is False
+    # 600 MiB more in use warm, the daemon's own 512 MiB allowed: more than that.
+    assert graphs_kv["device_used_warm_minus_cold_mib"] == 600.0
+    assert graphs_kv["daemon_context_mib"] == 512.0
+    assert graphs_kv["warm_device_use_at_most_cold_plus_daemon_context"] is False
     assert report["num_gpu_blocks"]["warm-1"] == 99
 
 
@@ -375,7 +423,7 @@ def test_a_schedule_resumes_where_it_stopped_and_stops_before_the_deadline(
     assert started == ["cold-first"]
     monkeypatch.setattr(runner, "left", lambda: 1000.0)
     runner.run_schedule(plans)  # resumes after the start already recorded
-    assert started == ["cold-first", "cold-1", "cold-2", "cold-eager"]
+    assert started == [p.run for p in plans]
     assert [s["run"] for s in runner.doc["starts"]] == started
     # Each start's record reaches --out at once (a call cut off later keeps it).
     saved = json.loads((tmp_path / "out" / "h200-vllm-real.json").read_text())
@@ -387,8 +435,8 @@ def test_a_schedule_resumes_where_it_stopped_and_stops_before_the_deadline(
               "status": "failed", "exit_code": 1}  # fmt: skip
     with pytest.raises(RuntimeError, match="start cold-2 failed"):
         runner.record(failed)
-    assert [s["run"] for s in runner.doc["starts"]] == ["cold-first", "cold-1", "cold-eager",
-                                                        "cold-2"]  # fmt: skip
+    assert [s["run"] for s in runner.doc["starts"]] == [
+        p.run for p in plans if p.run != "cold-2"] + ["cold-2"]  # fmt: skip
 
 
 def test_an_event_line_still_being_written_is_not_read(tmp_path: Path) -> None:

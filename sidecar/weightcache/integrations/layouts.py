@@ -30,6 +30,7 @@ WARNING saying why (or, with ``fallback`` off, the load fails saying why).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -125,7 +126,25 @@ def engine_layout(
     key = (settings, socket, tuple(fingerprint(c) for c in candidates))
     if key not in _decisions:
         _decisions[key] = _decide(settings, socket, candidates, trace)
+        release_traced_model_memory()
     return _decisions[key]
+
+
+def release_traced_model_memory() -> None:
+    """Give the device back what the trace's throwaway model took, before the engine samples
+    its free memory (vLLM's snapshot comes right after this decision).
+
+    Engines build models with the device as the default, so each parameter of the
+    throwaway model was allocated on the device before ``meta_parameters`` moved it to
+    meta: a Llama-3-8B leaves 2 GiB in torch's caching allocator. Left there, the engine's
+    snapshot counts it as used and the load that follows releases it: vLLM's profiler
+    then finds more free memory than at its snapshot (its assertion fails) and, asserts
+    off, its KV cache grows by those bytes (issue 41). The model's modules hold each
+    other (parents, the engine's layer registry in the config copy), so it goes with a
+    collection, not when the trace returns."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _decide(settings, socket, candidates, trace) -> LayoutDecision:

@@ -7,7 +7,9 @@ default loader, on the toy engine of tests/unit/toyengine.py.
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -88,3 +90,29 @@ def test_unfilled_names_what_a_load_left_without_its_value() -> None:
     model = ToyEngine(layers=1)
     real_load(model, tensors)
     assert unfilled(model, complete) == {}  # tied lm_head included (an alias of embed)
+
+
+def test_the_traced_model_is_freed_before_the_engine_samples_its_device(tmp_path) -> None:
+    """Engines sample the device right after the decision (vLLM's snapshot): by then the
+    throwaway model is gone, cycles and all, so the memory it took is back with the
+    allocator (and, on CUDA, with the driver: tests/gpu/test_engine_adapters_gpu.py). Its
+    modules hold each other, as an engine's do, so only a collection frees it; automatic
+    collection is off here, so nothing but the decision's own collection can."""
+    report, _ = traced_without("model.layers.0.input_layernorm.weight")
+    socket = tmp_path / "cpu.sock"
+    socket.touch()
+    traced: list[weakref.ref] = []
+
+    def trace():
+        model = meta_model(layers=1)
+        model.layers[0].owner = model  # a module holding its parent, as engines' layers do
+        traced.append(weakref.ref(model))
+        return report
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine_layout(settings(), str(socket), [], trace)
+        assert traced and traced[0]() is None
+    finally:
+        gc.enable()

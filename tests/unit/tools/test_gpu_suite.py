@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.gpu_suite import Outcomes, check, tree_hash
+from tools.gpu_suite import TIERS, Outcomes, check, tree_hash
 
 
 def git(repo: Path, *args: str) -> str:
@@ -92,6 +92,44 @@ def test_outcomes_of_a_real_pytest_run(tmp_path: Path) -> None:
     assert (found["passed"], found["failed"], found["skipped"]) == (1, 2, 1)
     [(skipped, reason)] = found["skipped_tests"].items()
     assert skipped.endswith("::test_two") and "needs 2 CUDA devices" in reason
+
+
+def test_each_tests_seconds_are_recorded(tmp_path: Path) -> None:
+    (tmp_path / "test_slow.py").write_text(
+        "import time\ndef test_slow(): time.sleep(0.3)\ndef test_fast(): pass\n"
+    )
+    outcomes = Outcomes()
+    pytest.main(["-q", "-p", "no:cacheprovider", str(tmp_path)], plugins=[outcomes])
+    seconds = {t.rsplit("::", 1)[1]: s for t, s in outcomes.finished()["test_seconds"].items()}
+    assert seconds["test_slow"] >= 0.3 > seconds["test_fast"]
+
+
+def test_the_smoke_tier_covers_what_every_sidecar_change_needs(tmp_path: Path) -> None:
+    """The tier a 30-minute GPU session can always afford: every transport on CUDA (torch_ipc
+    included), a 16 GB layout attached over vmm_fd, the adapters' GPU paths (the layout
+    decision's device memory among them), KV, re-adoption; not the MoE replay nor the
+    two-GPU tests."""
+
+    class Collected:
+        ids: list[str] = []
+
+        def pytest_collection_finish(self, session) -> None:
+            self.ids.extend(item.nodeid for item in session.items)
+
+    collected = Collected()
+    argv = ["-q", "--collect-only", "-p", "no:cacheprovider", *TIERS["smoke"], "tests/gpu"]
+    assert pytest.main(argv, plugins=[collected]) == pytest.ExitCode.OK
+    ids = collected.ids
+    for transport in ("vmm_fd", "torch_ipc"):
+        assert any("test_cuda_transports.py" in i and transport in i for i in ids)
+    assert any("test_engine_free_replay.py" in i and "llama" in i for i in ids)
+    assert not any("test_engine_free_replay.py" in i and "qwen" in i for i in ids)
+    assert any("test_the_layout_decision_leaves_the_device_as_the_engine_found_it" in i
+               for i in ids)  # fmt: skip
+    assert any("test_kv_gpu.py" in i for i in ids)
+    assert any("test_readopt_gpu.py" in i for i in ids)
+    assert not any("test_tp2_gpu.py" in i or "test_peer_gpu.py" in i for i in ids)
+    assert TIERS["full"] == []
 
 
 def record_for(repo: Path, tree: str, failed: list[str]) -> Path:
