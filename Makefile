@@ -77,11 +77,13 @@ soak: testenv
 test-unit: csi-stubs
 	$(PY) -m pytest -rs tests/unit
 
-# On a CUDA machine (see tests/gpu/README.md): the whole GPU suite, then its record
-# benchmarks/results/gpu-suite.json (which sidecar/ tree passed on which GPU); refused
-# unless sidecar/ is exactly the committed tree. A change to sidecar/ lands with a fresh record.
+# On a CUDA machine (see tests/gpu/README.md): the GPU suite, then its record
+# benchmarks/results/gpu-suite.json (which sidecar/ tree passed which tier on which GPU);
+# refused unless sidecar/ is exactly the committed tree. A change to sidecar/ lands with a
+# fresh record, the smoke tier at least (GPU_TIER=smoke: about 4 minutes).
+GPU_TIER ?= full
 test-gpu: venv
-	$(PY) -m tools.gpu_suite run
+	$(PY) -m tools.gpu_suite run --tier $(GPU_TIER)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

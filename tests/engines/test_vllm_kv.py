@@ -59,6 +59,7 @@ from tests.engines.kv_kit import (  # noqa: E402
 )
 from tests.engines.tiny_models import CONFIGS  # noqa: E402
 from tests.engines.vllm_layout_kit import (  # noqa: E402
+    engine_config,
     load_ours_and_cold,
     post_processes,
     post_processing,
@@ -172,3 +173,42 @@ def test_kv_cache_on_vllms_own_layout_equals_a_cold_starts(
             ours_config, wrong, SyntheticGpu(others=layout.daemon_bytes_after), engine_own
         )
         assert misreported.available_bytes - cold_kv.available_bytes != difference
+
+
+def test_nothing_the_trace_built_outlives_the_kv_budget_call(
+    tiny_dirs, session_daemons, vllm_groups, monkeypatch
+) -> None:
+    """vLLM snapshots the device right after ``get_external_weight_memory`` (issue 41). The
+    trace's throwaway model, built like the real one with the device as the default (each
+    parameter allocated there before it moves to meta) and holding its layers through
+    vLLM's layer registry in its copied config, must be gone by then, so nothing it held
+    returns to the device during the load. Automatic collection is off: only the call's
+    own collection can free it (on a GPU the allocator's cache then goes back to the
+    driver: tests/gpu/test_engine_adapters_gpu.py)."""
+    import gc
+    import weakref
+
+    from weightcache.integrations.vllm import loader as ours
+
+    built: list[weakref.ref] = []
+    original = ours.initialize_model
+
+    def recording(**kwargs):  # noqa: ANN003, ANN202 - vLLM's
+        model = original(**kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(ours, "initialize_model", recording)
+    daemon = session_daemons(tiny_dirs["llama"], "--transport", "memfd")
+    config = engine_config(tiny_dirs["llama"], 1, load_format="weightcache",
+                           model_loader_extra_config={"socket": daemon.socket})  # fmt: skip
+    gc.collect()
+    gc.disable()
+    try:
+        with set_current_vllm_config(config):
+            external = get_model_loader(config.load_config).get_external_weight_memory(config)
+        assert external > 0 and len(built) == 1  # the layout's bytes; the trace's one model
+        assert built[0]() is None
+    finally:
+        gc.enable()
+        daemon.terminate()
