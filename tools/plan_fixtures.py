@@ -340,7 +340,7 @@ def _fixture(
         post_processed=report.post_processed,
         post_error=report.post_error,
         unwritten=report.unwritten,
-        incomplete=report.incomplete,
+        incomplete=sorted(report.incomplete),
         unread=report.unread,
         created=report.created,
         plan=plan,

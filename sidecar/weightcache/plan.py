@@ -338,6 +338,11 @@ class ParamCoverage:
     def complete(self) -> bool:
         return self.written == self.numel
 
+    @property
+    def unwritten_bytes(self) -> int:
+        """The bytes no copy or fill writes (zeros in the layout)."""
+        return (self.numel - self.written) * ITEMSIZE[self.entry.dtype]
+
 
 @dataclass
 class PlanSummary:

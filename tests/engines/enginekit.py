@@ -181,6 +181,20 @@ def write_lora(where: Path, model_dir: Path, targets: tuple[str, ...], seed: int
     return where
 
 
+def checkpoint_variant(base: Path, where: Path, edit) -> Path:
+    """``base``'s checkpoint with its tensors (a dict) changed by ``edit``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    where.mkdir(parents=True)
+    shutil.copy(base / "config.json", where)
+    tensors = load_file(base / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, where / "model.safetensors", metadata={"format": "pt"})
+    return where
+
+
 def fetches(daemon, op: str = "fetch_state") -> int:
     """The daemon's own count of ``op`` requests answered (its /metrics): ``fetch_state``
     for its checkpoint layout, ``fetch_layout`` for an engine's own."""

@@ -8,8 +8,9 @@ it loads the model through our loader (from this rank's daemon at
 ``<SOCKET_DIR>/tests.tiny/cpu.sock``) and through SGLang's own
 ``DefaultModelLoader``, and writes to OUT what the tests assert: the
 parameters that differ, those outside the daemon's memory (read from their
-own storages), and what the loader reported. A process of its own because
-SGLang's parallel runtime is built once per process.
+own storages), what the loader reported and the adapter's WARNINGs. A
+process of its own because SGLang's parallel runtime is built once per
+process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -272,6 +275,24 @@ def kv_outcome(model_dir: str, dtype: str, extra: dict, server_args, loader, mod
     return result
 
 
+@contextmanager
+def adapter_warnings() -> Iterator[list[str]]:
+    """The WARNINGs the adapter (``weightcache.*`` loggers) logs meanwhile, in order."""
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    messages: list[str] = []
+    handler, logger = Collect(logging.WARNING), logging.getLogger("weightcache")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 def run_rank(rank: int, world: int, port: int, out: Path, jobs: list[str]) -> None:
     from sglang.srt.plugins import load_plugins
 
@@ -286,8 +307,9 @@ def run_rank(rank: int, world: int, port: int, out: Path, jobs: list[str]) -> No
         loading.forget_attachments()
         layouts.forget_layouts()
         extra = {"socket_dir": socket_dir, "cache": CACHE}
-        loader, model, cold = load_ours_and_cold(model_dir, dtype, rank, extra)
-        result = outcome(kind, loader, model, cold)
+        with adapter_warnings() as warnings:
+            loader, model, cold = load_ours_and_cold(model_dir, dtype, rank, extra)
+        result = {**outcome(kind, loader, model, cold), "warnings": warnings}
         if world == 1 and kind in DECODERS and result["layout"] is not None:
             started = time.monotonic()
             result["kv"] = kv_outcome(model_dir, dtype, extra, server_args, loader, model, cold)

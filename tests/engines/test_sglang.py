@@ -401,6 +401,41 @@ def test_load_model_maps_sglangs_own_layout_of_bert_bit_equal_to_a_cold_load(
     assert result["shapes"][words][0] > 30522  # padded
 
 
+def test_a_fused_parameter_the_checkpoint_fills_in_part_is_loaded_by_sglangs_own_loader(
+    session_daemons, tiny_dirs, tmp_path
+) -> None:
+    """A checkpoint without layer 1's up_proj (issue 41, item 7): SGLang's loading writes
+    the gate half of that layer's gate_up_proj only, and the daemon's layout would hold
+    zeros in the other. The trace counts the bytes nothing writes, so SGLang's own loader
+    loads the model from disk as on a cold start (0 preloaded bytes, the daemon never
+    asked), with one WARNING naming gate_up_proj and those bytes."""
+    from tests.engines.enginekit import checkpoint_variant, fetches, run_ranks
+
+    missing = "model.layers.1.mlp.up_proj.weight"
+    fused = "model.layers.1.mlp.gate_up_proj.weight"  # [2 x 128, 64] bf16
+    why = (f"1 parameter(s) filled in part: {fused}: 16,384 of 32,768 bytes written by no "
+           "checkpoint tensor")  # fmt: skip
+    model_dir = checkpoint_variant(tiny_dirs["llama"], tmp_path / "no-up",
+                                   lambda tensors: tensors.pop(missing))  # fmt: skip
+    daemon = own_layout_daemons(session_daemons, {"llama": model_dir}, 1)["llama", 0]
+    try:
+        ((result,),) = run_ranks("tests.engines.sglang_layout_kit",
+                                 [[f"llama={model_dir}=bfloat16={daemon.workdir}"]], tmp_path)
+        fetched = fetches(daemon, "fetch_layout"), fetches(daemon, "fetch_state")
+    finally:
+        daemon.terminate()
+    assert result["layout"] is None and result["reason"] == why
+    assert result["preloaded"] == 0
+    assert fetched == (0, 0)  # the daemon was never asked
+    assert result["warnings"] == [
+        f"weightcache: the engine's default loader loads the model from disk: {why}"
+    ]
+    # SGLang's own model: the half nothing writes is whatever SGLang allocated, on both
+    # sides; all else equals its cold load.
+    assert result["names"] == result["cold_names"] and fused in result["names"]
+    assert set(result["differ"]) <= {fused}
+
+
 @pytest.fixture(scope="module")
 def tiny_loads(session_daemons, tiny_dirs, tmp_path_factory):
     """The tiny models loaded both ways in rank processes, once per TP size for the module

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.enginekit import fetches, require_engine, run_ranks
+from tests.engines.enginekit import checkpoint_variant, fetches, require_engine, run_ranks
 
 require_engine("vllm")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -229,20 +229,6 @@ def refusals_ours_and_cold(
     return external, ours.value, cold.value
 
 
-def checkpoint_variant(base: Path, where: Path, edit) -> Path:
-    """``base``'s checkpoint with its tensors (a dict) changed by ``edit``."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    where.mkdir(parents=True)
-    shutil.copy(base / "config.json", where)
-    tensors = load_file(base / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, where / "model.safetensors", metadata={"format": "pt"})
-    return where
-
-
 @pytest.mark.parametrize("change", ["missing", "extra"])
 def test_a_missing_or_extra_tensor_is_refused_as_vllm_refuses_it_naming_it(
     change, tiny_dirs, session_daemons, vllm_groups, tmp_path, caplog
@@ -279,6 +265,84 @@ def test_a_missing_or_extra_tensor_is_refused_as_vllm_refuses_it_naming_it(
     else:
         assert any("tracing the engine's loading failed" in m and short in m
                    for m in ours_warnings)  # fmt: skip
+
+
+def test_a_fused_parameter_the_checkpoint_fills_in_part_is_loaded_by_vllms_own_loader(
+    tiny_dirs, session_daemons, vllm_groups, tmp_path, caplog
+) -> None:
+    """A checkpoint without layer 1's up_proj (issue 41, item 7): vLLM's loading writes
+    the gate half of that layer's gate_up_proj only, and the daemon's layout would hold
+    zeros in the other. The trace counts the bytes nothing writes, so vLLM's own loader
+    loads the model from disk (no daemon bytes on the budget, the daemon never asked) as
+    on a cold start, which loads the half there is (vLLM checks names, not bytes), with
+    one WARNING naming gate_up_proj and those bytes; with ``fallback`` off the start
+    fails saying the same. Where vLLM cannot post-process here (the CUDA wheel on an AMX
+    CPU), its own loader fails as a cold load does."""
+    import traceback
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from weightcache.integrations.layouts import NotServable
+
+    missing = "model.layers.1.mlp.up_proj.weight"
+    fused = "model.layers.1.mlp.gate_up_proj.weight"  # [2 x 128, 64] bf16
+    why = (f"1 parameter(s) filled in part: {fused}: 16,384 of 32,768 bytes written by no "
+           "checkpoint tensor")  # fmt: skip
+    model_dir = checkpoint_variant(tiny_dirs["llama"], tmp_path / "no-up",
+                                   lambda tensors: tensors.pop(missing))  # fmt: skip
+
+    def loaded(config, loader):
+        """The model, or where vLLM cannot post-process here, its failure."""
+        if post_processes("llama"):
+            return loader.load_model(config, config.model_config)
+        with pytest.raises(AttributeError, match=CPU_BUILD_KERNELS) as failed:
+            loader.load_model(config, config.model_config)
+        return failed.value
+
+    daemon = session_daemons(model_dir, "--transport", "memfd")
+    try:
+        ours_config = engine_config(model_dir, load_format="weightcache",
+                                    model_loader_extra_config={"socket": daemon.socket})
+        with caplog.at_level("WARNING", logger="weightcache"):
+            with set_current_vllm_config(ours_config):
+                loader = get_model_loader(ours_config.load_config)
+                external = loader.get_external_weight_memory(ours_config)
+                ours = loaded(ours_config, loader)
+        # By record (caplog sees ours twice: logs.follow_engine_logging), vLLM's own left out.
+        warnings = {id(r): r.getMessage() for r in caplog.records
+                    if r.levelname == "WARNING" and r.name.startswith("weightcache")}
+        refusing = engine_config(model_dir, load_format="weightcache",
+                                 model_loader_extra_config={"socket": daemon.socket,
+                                                            "fallback": False})
+        with set_current_vllm_config(refusing), pytest.raises(NotServable) as refused:
+            get_model_loader(refusing.load_config).get_external_weight_memory(refusing)
+        fetched = fetches(daemon, "fetch_layout"), fetches(daemon, "fetch_state")
+    finally:
+        daemon.terminate()
+    cold_config = engine_config(model_dir)
+    with set_current_vllm_config(cold_config):
+        cold = loaded(cold_config, get_model_loader(cold_config.load_config))
+    assert external == 0
+    assert fetched == (0, 0)  # the daemon was never asked
+    assert list(warnings.values()) == [
+        f"weightcache: the engine's default loader loads the model from disk: {why}"
+    ]
+    assert str(refused.value) == f"weightcache cannot serve this model: {why} (fallback is off)"
+    if isinstance(cold, Exception):
+        assert (type(ours), str(ours)) == (type(cold), str(cold))
+        # Failed inside vLLM's own loader (BaseModelLoader.load_model), as the cold one.
+        frames = traceback.extract_tb(ours.__traceback__)
+        assert any(f.name == "load_model" and f.filename.endswith("base_loader.py")
+                   for f in frames)  # fmt: skip
+        return
+    assert not getattr(ours, "weightcache_read_only", False)  # vLLM's own model
+    ours_params, cold_params = dict(ours.named_parameters()), dict(cold.named_parameters())
+    assert sorted(ours_params) == sorted(cold_params) and fused in ours_params
+    # The half nothing writes is whatever vLLM allocated, on both sides: all else is equal.
+    assert [n for n in ours_params
+            if n != fused and not torch.equal(ours_params[n], cold_params[n])] == []  # fmt: skip
 
 
 def test_a_load_from_the_daemon_found_incomplete_falls_back_to_vllms_own_load(

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tools.plan_fixtures import FIXTURES, read_fixture
 from weightcache.checkpoint import TORCH_DTYPES
 from weightcache.plan import (
     ITEMSIZE,
@@ -76,6 +77,21 @@ def test_a_valid_plan_passes_with_its_coverage() -> None:
     assert summary.param_bytes == 16 * 4 * 2 + 12 * 4 * 2
     partial = msgspec.structs.replace(fused_qkv_plan(), fills=[])
     assert check_plan(partial, SOURCES).incomplete == ["emb"]
+    assert check_plan(partial, SOURCES).params["emb"].unwritten_bytes == 2 * 4 * 2
+
+
+def test_a_fused_parameter_missing_a_piece_is_incomplete_by_its_unwritten_bytes() -> None:
+    """vLLM's recorded Llama-3-8B plan without the copy of layer 1's up_proj: the up half of
+    that layer's gate_up_proj is written by nothing (zeros), its bytes counted."""
+    recorded = read_fixture(FIXTURES / "vllm-llama-3-8b.json")
+    missing = "model.layers.1.mlp.up_proj.weight"
+    copies = [c for c in recorded.plan.copies if c.source != missing]
+    assert len(copies) == len(recorded.plan.copies) - 1
+    summary = check_plan(msgspec.structs.replace(recorded.plan, copies=copies),
+                         recorded.sources())  # fmt: skip
+    assert summary.incomplete == ["model.layers.1.mlp.gate_up_proj.weight"]
+    fused = summary.params["model.layers.1.mlp.gate_up_proj.weight"]
+    assert (fused.unwritten_bytes, fused.nbytes) == (117_440_512, 234_881_024)  # 14336 x 4096
 
 
 def test_the_hash_ignores_order_and_spelling_but_not_content() -> None:

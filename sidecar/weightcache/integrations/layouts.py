@@ -22,10 +22,11 @@ Engine adapters call, in engine order:
 Where a layout cannot be had (no plan, post-processing that cannot be
 traced on meta, an older daemon) the adapter falls back to the checkpoint
 layout (:mod:`.loading`), and the reason is logged. Where neither layout can
-give the engine's model (parameters no checkpoint tensor fills, a quantized
-model: :func:`from_disk`), or a load left a parameter without its value
-(:func:`unfilled`), the engine's own default loader loads from disk, with one
-WARNING saying why (or, with ``fallback`` off, the load fails saying why).
+give the engine's model (parameters no checkpoint tensor fills, wholly or in
+part: :func:`unwritten_by_checkpoint`; a quantized model: :func:`from_disk`),
+or a load left a parameter without its value (:func:`unfilled`), the engine's
+own default loader loads from disk, with one WARNING saying why (or, with
+``fallback`` off, the load fails saying why).
 """
 
 from __future__ import annotations
@@ -156,11 +157,13 @@ def _decide(settings, socket, candidates, trace) -> LayoutDecision:
         report = trace()
     except Exception as exc:  # the engine's code on meta: whatever it does, fall back
         return _without(socket, None, f"tracing the engine's loading failed: {exc!r}")
-    if report.unwritten:
+    missing = unwritten_by_checkpoint(report)
+    if missing is not None:
         # The checkpoint lacks what the engine loads into them: the checkpoint layout cannot
-        # fill them either. The engine's own loader decides (vLLM's refuses, naming them).
-        return _disk(settings, socket, report, f"{len(report.unwritten)} parameter(s) no "
-                     f"checkpoint tensor fills: {_names(report.unwritten)}")  # fmt: skip
+        # fill them either, and the daemon's layout would hold zeros there. The engine's own
+        # loader decides, as on a cold start (vLLM's refuses a parameter nothing fills,
+        # naming it; one filled in part it loads as it is).
+        return _disk(settings, socket, report, missing)
     if report.unread:
         # Skipped by the engine's own loading as on a cold start (rotary inv_freq, a tied
         # lm_head): never mapped. Named, so a checkpoint carrying more is visible.
@@ -192,14 +195,33 @@ def _decide(settings, socket, candidates, trace) -> LayoutDecision:
     return _without(socket, report, f"the daemon at {socket} did not serve it: {last}")
 
 
+def unwritten_by_checkpoint(report: TraceReport) -> str | None:
+    """What of the engine's parameters no checkpoint tensor writes, for the WARNING (and
+    :class:`NotServable`): parameters nothing in loading wrote (``unwritten``), and planned
+    ones with bytes no copy or fill writes (``incomplete``), each with those bytes. None
+    when every byte is written; padding a fill writes is written."""
+    parts = []
+    if report.unwritten:
+        parts.append(f"{len(report.unwritten)} parameter(s) no checkpoint tensor fills: "
+                     f"{_names(report.unwritten)}")  # fmt: skip
+    if report.incomplete:
+        partly = [
+            f"{name}: {missing:,} of {report.param_bytes[name]:,} bytes written by no "
+            "checkpoint tensor"
+            for name, missing in sorted(report.incomplete.items())
+        ]
+        parts.append(f"{len(partly)} parameter(s) filled in part: {_names(partly, sep='; ')}")
+    return "; ".join(parts) or None
+
+
 def _without(socket: str, report: TraceReport | None, reason: str) -> LayoutDecision:
     log.warning("weightcache: no zero-copy layout of the engine's own: %s", reason)
     return LayoutDecision(socket, None, report, reason)
 
 
-def _names(names: list[str], shown: int = 10) -> str:
+def _names(names: list[str], shown: int = 10, sep: str = ", ") -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
+    return sep.join(names[:shown]) + more
 
 
 def _daemon_bytes(settings: AdapterSettings, socket: str, started: float) -> int:
@@ -318,7 +340,9 @@ def unfilled(model: nn.Module, report: TraceReport) -> dict[str, str]:
     """What a load from the daemon left without its value, name -> why: a parameter or
     buffer still on meta, or a parameter the engine's loading fills (the traced model's,
     before post-processing) that neither the layout nor the engine's loader filled from
-    the checkpoint. Parameters post-processing made are derived from those, so filled."""
+    the checkpoint. Parameters post-processing made are derived from those, so filled.
+    By name: a layout with a parameter some bytes of which no checkpoint tensor writes is
+    never mapped (:func:`unwritten_by_checkpoint`, decided from the trace's bytes)."""
     missing: dict[str, str] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_meta:

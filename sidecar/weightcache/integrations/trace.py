@@ -86,7 +86,9 @@ class TraceReport:
     # ("replaces"): the engine holds them in its own memory after all. name -> (how, why).
     post_processed: dict[str, tuple[str, str]] = field(default_factory=dict)
     unwritten: list[str] = field(default_factory=list)  # nothing in loading wrote them
-    incomplete: list[str] = field(default_factory=list)  # planned; some elements unwritten
+    # Planned parameters some elements of which no copy or fill writes (a fused gate_up_proj
+    # whose up_proj the checkpoint lacks): name -> those elements' bytes. Zeros in the daemon.
+    incomplete: dict[str, int] = field(default_factory=dict)
     unread: list[str] = field(default_factory=list)  # checkpoint tensors no planned copy reads
     created: list[str] = field(default_factory=list)  # tensors post-processing added
     post_error: str | None = None  # post-processing could not run on meta
@@ -630,8 +632,9 @@ def _report(params: dict[int, _Param], sources, read: set[str], created, post_er
         except PlanError as exc:
             report.copied[p.name] = f"its writes do not form a plan: {exc}"
             continue
-        if summary.incomplete:
-            report.incomplete.append(p.name)
+        coverage = summary.params[p.name]
+        if not coverage.complete:
+            report.incomplete[p.name] = coverage.unwritten_bytes
         if p.post:
             how = "writes" if any(h == "writes" for h, _ in p.post) else "replaces"
             report.post_processed[p.name] = (how, "; ".join(dict.fromkeys(w for _, w in p.post)))

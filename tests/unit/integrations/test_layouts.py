@@ -16,7 +16,13 @@ import torch
 
 from tests.unit.toyengine import ToyEngine, checkpoint, meta_model, real_load, sources
 from weightcache.integrations import layouts
-from weightcache.integrations.layouts import NotServable, engine_layout, from_disk, unfilled
+from weightcache.integrations.layouts import (
+    NotServable,
+    engine_layout,
+    from_disk,
+    unfilled,
+    unwritten_by_checkpoint,
+)
 from weightcache.integrations.settings import AdapterSettings
 from weightcache.integrations.trace import trace_load
 
@@ -71,6 +77,49 @@ def test_a_parameter_no_checkpoint_tensor_fills_sends_the_model_to_the_engines_l
     layouts.forget_layouts()
     with pytest.raises(NotServable, match="layers.0.norm"):
         engine_layout(settings(fallback=False), str(socket), [], lambda: report)
+
+
+def test_a_fused_parameter_the_checkpoint_fills_in_part_goes_to_the_engines_loader(
+    tmp_path, caplog
+) -> None:
+    """A checkpoint without one expert's w3: the layout would hold zeros for its half of
+    w13, so the model is the engine's own loader's, from disk, decided from the trace
+    before any attach, with one WARNING naming the parameter and the bytes nothing writes
+    (``fallback`` off: NotServable saying the same)."""
+    report, _ = traced_without("model.layers.0.mlp.experts.1.w3.weight")
+    assert report.unwritten == [] and "layers.0.w13" in report.planned
+    socket = tmp_path / "cpu.sock"
+    socket.touch()  # a daemon's socket is there; the decision never reaches it
+    # w13: 4 experts x (24 + 24) x 16 bf16; expert 1's w3: 24 x 16.
+    why = (
+        "1 parameter(s) filled in part: layers.0.w13: 768 of 6,144 bytes written by no "
+        "checkpoint tensor"
+    )
+    with caplog.at_level(logging.WARNING, logger="weightcache"):
+        decided = engine_layout(settings(), str(socket), [], lambda: report)
+        again = engine_layout(settings(), str(socket), [], lambda: report)
+    assert again is decided and decided.attached is None and decided.disk == why
+    assert [r.getMessage() for r in caplog.records] == [
+        f"weightcache: the engine's default loader loads the model from disk: {why}"
+    ]
+    layouts.forget_layouts()
+    with pytest.raises(NotServable) as refused:
+        engine_layout(settings(fallback=False), str(socket), [], lambda: report)
+    assert str(refused.value) == f"weightcache cannot serve this model: {why} (fallback is off)"
+
+
+def test_what_no_checkpoint_tensor_writes_is_named_with_its_bytes_and_padding_is_not() -> None:
+    both, _ = traced_without("model.layers.0.self_attn.k_proj.weight")
+    both.unwritten.append("layers.0.norm")
+    assert unwritten_by_checkpoint(both) == (
+        "1 parameter(s) no checkpoint tensor fills: layers.0.norm; 1 parameter(s) filled in "
+        "part: layers.0.qkv_weight: 256 of 1,024 bytes written by no checkpoint tensor"
+    )
+    tensors = checkpoint(layers=1)
+    for kw in ({}, {"tp_rank": 1, "tp_size": 2}):  # rank 1's padding rows: a fill
+        model = meta_model(layers=1, **kw)
+        report = trace_load(model, sources(tensors), model.load_weights)
+        assert report.plan is not None and unwritten_by_checkpoint(report) is None
 
 
 def test_unfilled_names_what_a_load_left_without_its_value() -> None:

@@ -18,8 +18,10 @@ from tests.unit.plankit import reference_params, same_bits
 from tests.unit.toyengine import (
     EXPERTS,
     HEAD,
+    HEADS_KV,
     HEADS_Q,
     INTER,
+    VOCAB,
     H,
     ToyEngine,
     checkpoint,
@@ -46,7 +48,7 @@ def test_the_plan_of_a_fused_loader_rebuilds_its_parameters_bit_for_bit(style, r
     kw = dict(tp_rank=rank, tp_size=size, style=style)
     traced = meta_model(**kw)
     report = trace_load(traced, sources(tensors), traced.load_weights)
-    assert report.copied == {} and report.unwritten == [] and report.incomplete == []
+    assert report.copied == {} and report.unwritten == [] and report.incomplete == {}
     assert report.unread == ["model.layers.0.self_attn.rotary_emb.inv_freq",
                              "model.layers.1.self_attn.rotary_emb.inv_freq"]  # fmt: skip
     assert report.planned_bytes == sum(report.param_bytes.values())
@@ -60,6 +62,47 @@ def test_the_plan_of_a_fused_loader_rebuilds_its_parameters_bit_for_bit(style, r
         assert [(f.param, f.dst.offset, f.dst.shape) for f in report.plan.fills] == [
             ("embed", 14 * H, [2, H])
         ]
+
+
+def test_a_fused_parameter_missing_a_piece_is_incomplete_by_the_bytes_nothing_writes() -> None:
+    """A checkpoint without one expert's w3 (the up half of its slice of w13) and one
+    layer's k_proj: those parameters are planned from the pieces there are, and reported
+    with the bytes no copy writes; everything else is whole. Padding written by a fill is
+    written (the padded vocabulary of rank 1 of 2); left unwritten, it is reported too."""
+    tensors = checkpoint(layers=1)
+    del tensors["model.layers.0.mlp.experts.1.w3.weight"]
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    traced = meta_model(layers=1)
+    report = trace_load(traced, sources(tensors), traced.load_weights)
+    assert report.copied == {} and report.unwritten == []
+    assert report.incomplete == {
+        "layers.0.w13": INTER * H * 2,  # one expert's up half, bf16
+        "layers.0.qkv_weight": HEADS_KV * HEAD * H * 2,  # the k rows
+    }
+    assert report.param_bytes["layers.0.w13"] == EXPERTS * 2 * INTER * H * 2
+    assert "layers.0.w13" in report.planned  # the daemon would build it, zeros in the gaps
+
+    padded = meta_model(layers=1, tp_rank=1, tp_size=2)
+    whole = checkpoint(layers=1)
+    report = trace_load(padded, sources(whole), padded.load_weights)
+    assert [f.param for f in report.plan.fills] == ["embed"] and report.incomplete == {}
+
+    class PaddingLeftAlone(ToyEngine):
+        def load_weights(self, weights):
+            rest = []
+            for name, w in weights:
+                if name == "model.embed_tokens.weight":  # no fill_ of the padding rows
+                    start = self.rank * self.rows
+                    n = max(0, min(self.rows, VOCAB - start))
+                    self.embed.data[:n].copy_(w[start : start + n])
+                else:
+                    rest.append((name, w))
+            super().load_weights(iter(rest))
+
+    with meta_parameters():
+        unpadded = PaddingLeftAlone(layers=1, tp_rank=1, tp_size=2)
+    report = trace_load(unpadded, sources(whole), unpadded.load_weights)
+    assert report.incomplete == {"embed": 2 * H * 2}  # rows 30, 31 of 32: padding
 
 
 def test_what_the_loader_computes_is_reported_as_copied_by_name() -> None:

@@ -10,7 +10,7 @@ the parameters' own storages. Where no layout can be had it maps the
 daemon's checkpoint layout (:mod:`..loading`; what SGLang fuses is copied by
 its own weight loaders) or loads from disk: SGLang's own ``DefaultModelLoader``
 loads what neither layout can give (a quantized model, parameters no
-checkpoint tensor fills) and any model a load from the daemon left without a
+checkpoint tensor fills, wholly or in part) and any model a load from the daemon left without a
 value, with one WARNING saying why. ``preloaded_weights_bytes`` then
 tells SGLang's scheduler how many bytes were resident before its memory
 baseline, which it adds back through ``ModelRunner.account_preloaded_weights``

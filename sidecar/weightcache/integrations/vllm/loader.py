@@ -16,7 +16,7 @@ Where no layout can be had, the daemon's checkpoint layout is mapped as
 before (:mod:`..loading`): tensors vLLM fuses are copied into engine memory
 by its own weight loaders. What neither layout can give (a quantized model:
 its post-processing re-lays the weights; parameters no checkpoint tensor
-fills), and a load that left a parameter without its value, vLLM's own
+fills, wholly or in part), and a load that left a parameter without its value, vLLM's own
 ``DefaultModelLoader`` loads from disk instead, with one WARNING saying why.
 """
 
