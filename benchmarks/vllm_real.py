@@ -1,12 +1,12 @@
-"""Real vLLM on a GPU through weightcache, against vLLM's own cold start (issue 35).
+"""Real vLLM on a GPU through weightcache, against vLLM's own cold start (issues 35, 41).
 
 Run on the GPU machine with its plain ``python3`` (no project install, no
 network), after ``tools/offline_env.py`` installed the wheels of
-``benchmarks/h200_vllm_env.txt`` into ``--site`` (benchmarks/README.md,
+``benchmarks/vllm_env.txt`` into ``--site`` (benchmarks/README.md,
 "Running on an offline GPU machine"):
 
-    python3 benchmarks/h200_vllm_real.py --site /tmp/site            # every phase not done
-    python3 benchmarks/h200_vllm_real.py --site /tmp/site --phase cold
+    python3 benchmarks/vllm_real.py --site /tmp/site            # every phase not done
+    python3 benchmarks/vllm_real.py --site /tmp/site --phase cold
 
 State lives under ``--work`` (default /tmp/wc-vllm: the checkpoint, the
 daemon's socket and pid, logs, each start's outputs, ``result.json``), so
@@ -16,28 +16,40 @@ stops starting engines when the next one would not finish by
 it goes on where it stopped (``--phase all`` skips finished phases). It
 exits 0 once the requested phases are done, 1 on a failure (recorded in the
 result with the log's tail). After every call the result (and a digest of
-the logs) is written to ``--out`` (default ``$OUT/h200-vllm-real.json``
-where the device tool sets ``OUT``).
+the logs) is written to ``--out`` (default ``$OUT/vllm-real.json``
+where the device tool sets ``OUT``); it belongs in
+``benchmarks/results/<gpu>-vllm-real.json`` (``h100``, ``h200``: its
+``machine.gpu`` names it).
 
-Phases, in order, with their expected time on an H200:
+Phases, in order, with their time on an H100 (2026-12-06):
 
 - ``env`` (~30 s): GPU, driver, CUDA, the torch on each side, vLLM; vLLM's run
   path imported in the engine's environment; the weightcache plugin found
-  through vLLM's own entry points.
+  through vLLM's own entry points; Python's asserts on (vLLM's memory
+  profiler checks with one: a run with them off proves nothing); the site
+  byte-compiled once (``install`` writes no bytecode and the GPU machine sets
+  PYTHONDONTWRITEBYTECODE: every start compiled vLLM's sources again, 10-20 s).
 - ``checkpoint`` (~1 min): a random Llama-3-8B-shaped bf16 checkpoint
   (the published names and shapes, ``config.json``, N(0, 0.02) weights and
   unit norms, 4 safetensors shards, 16.06 GB) under ``WORK/model``.
-- ``cold`` (~5-6 min): vLLM's default loader, no daemon on the GPU: a first
-  start (empty torch.compile cache; not counted), ``--restarts`` starts
-  with CUDA graphs (the default), one with ``--enforce-eager``.
-- ``warm`` (~4-5 min): the daemon over ``vmm_fd``, ``--load-format
+- ``cold`` (~5.5 min with ``--restarts 2``): vLLM's default loader, no daemon
+  on the GPU: a first start (empty torch.compile cache; not counted),
+  ``--restarts`` starts with CUDA graphs (the default), two eager and
+  deterministic (``VLLM_BATCH_INVARIANT=1``: the second shows the mode is
+  deterministic on this GPU), then one of each at ``--tight-utilization``
+  (0.95).
+- ``warm`` (~4 min): the daemon over ``vmm_fd``, ``--load-format
   weightcache``: a first start (the daemon builds vLLM's layout; not
-  counted), ``--restarts`` with graphs, one eager.
-- ``kill9`` (~2-3 min): a weightcache engine generating in a loop; ``kill
-  -9`` of the daemon; the engine keeps serving; a new daemon re-adopts the
-  engine's weights; a fresh engine attaches to it.
-- ``report`` (seconds): outputs compared, vLLM's KV blocks warm vs cold
-  explained term by term, restart figures. Computed after every call.
+  counted), ``--restarts`` with graphs, one eager and deterministic, one of
+  each at the tight utilization.
+- ``kill9`` (~1.5 min): a weightcache engine generating in a loop
+  (deterministic: every batch must equal the first); ``kill -9`` of the
+  daemon; the engine keeps serving; a new daemon re-adopts the engine's
+  weights; a fresh engine attaches to it.
+- ``report`` (seconds): outputs compared (deterministic starts bit for bit;
+  graphs within the cold-vs-cold floor), vLLM's KV blocks warm vs cold per
+  mode explained term by term, the device's use against a cold start plus
+  the daemon's own context, restart figures. Computed after every call.
 
 Every start is a fresh ``vllm.LLM`` in a process of its own (TP 1: one GPU),
 at the same ``--gpu-memory-utilization`` both ways, and records: process
@@ -46,13 +58,14 @@ worker's memory figures (``collective_rpc``); the device bytes its load took
 (free memory around ``load_model`` and around the budget call, where
 weightcache attaches) and, with weightcache, the
 adapter's own storage report (parameters mapped vs in engine memory); greedy
-outputs (token ids and top-``--logprobs`` logprobs) of a fixed set of
-token-id prompts; nvidia-smi's per-process memory. The two arms differ only
+outputs (token ids and top-``--logprobs`` logprobs, the prompt's and the
+generated ones) of a fixed set of token-id prompts; nvidia-smi's per-process
+memory. The two arms differ only
 in the load format. Both run with ``enable_prefix_caching=False`` (a
 repeated prompt would otherwise be served from cached KV blocks by other
 kernels, and the kill -9 loop repeats its prompts) and
 ``VLLM_USE_FLASHINFER_SAMPLER=0`` (FlashInfer is not carried; greedy
-decoding samples nothing; see benchmarks/h200_vllm_env.txt).
+decoding samples nothing; see benchmarks/vllm_env.txt).
 
 No tokenizer: the engines run with ``skip_tokenizer_init`` and token-id
 prompts. A random-weight model's text means nothing; token ids and
@@ -94,8 +107,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = "weightcache-vllm-real/1"
-RESULT_NAME = "h200-vllm-real.json"
-LOG_DIGEST_NAME = "h200-vllm-real-logs.txt"
+RESULT_NAME = "vllm-real.json"
+LOG_DIGEST_NAME = "vllm-real-logs.txt"
 PHASES = ("env", "checkpoint", "cold", "warm", "kill9", "report")
 MiB = 1 << 20
 DAEMON_HTTP = ("127.0.0.1", 8470)
@@ -185,7 +198,7 @@ def resolve_phases(spec: str) -> list[str]:
 
 
 def default_out(environ: Mapping[str, str]) -> Path:
-    """``$OUT/h200-vllm-real.json`` where the device tool sets OUT, else the repository's."""
+    """``$OUT/vllm-real.json`` where the device tool sets OUT, else the repository's."""
     if environ.get("OUT"):
         return Path(environ["OUT"]) / RESULT_NAME
     return REPO / "benchmarks" / "results" / RESULT_NAME
@@ -193,7 +206,7 @@ def default_out(environ: Mapping[str, str]) -> Path:
 
 def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="h200_vllm_real", description=__doc__.split("\n\n")[0],
+        prog="vllm_real", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--phase", default="all",

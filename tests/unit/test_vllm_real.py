@@ -1,4 +1,4 @@
-"""benchmarks/h200_vllm_real.py, the parts that run without a GPU or vLLM: arguments and
+"""benchmarks/vllm_real.py, the parts that run without a GPU or vLLM: arguments and
 phases, the checkpoint's table, prompts, output comparison, the KV arithmetic, log
 parsing, the result's shape and report, and the environments it builds for its
 processes."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import h200_vllm_real as bench
+from benchmarks import vllm_real as bench
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "plans" / "vllm-llama-3-8b.json"
@@ -37,9 +37,9 @@ def test_phases_run_in_their_order_whatever_order_they_are_asked_in() -> None:
 
 def test_the_result_goes_to_the_device_tools_out_folder_when_it_is_set(tmp_path: Path) -> None:
     args = bench.parse_args(["--phase", "cold"], {"OUT": str(tmp_path)})
-    assert args.out == tmp_path / "h200-vllm-real.json" and args.phases == ["cold"]
+    assert args.out == tmp_path / "vllm-real.json" and args.phases == ["cold"]
     args = bench.parse_args([], {})
-    assert args.out == REPO / "benchmarks" / "results" / "h200-vllm-real.json"
+    assert args.out == REPO / "benchmarks" / "results" / "vllm-real.json"
     assert args.phases == list(bench.PHASES) and args.site == Path("/tmp/site")
     assert bench.parse_args(["--out", "x.json"], {"OUT": "/o"}).out == Path("x.json")
 
@@ -426,7 +426,7 @@ def test_a_schedule_resumes_where_it_stopped_and_stops_before_the_deadline(
     assert started == [p.run for p in plans]
     assert [s["run"] for s in runner.doc["starts"]] == started
     # Each start's record reaches --out at once (a call cut off later keeps it).
-    saved = json.loads((tmp_path / "out" / "h200-vllm-real.json").read_text())
+    saved = json.loads((tmp_path / "out" / "vllm-real.json").read_text())
     assert [s["run"] for s in saved["starts"]] == started and saved["result_problems"] == []
     # Once counted starts are timed, they set the guess: the longest, +20 %.
     assert runner.duration_guess(bench.StartPlan("cold-3", "cold", False, True)) == 120.0
