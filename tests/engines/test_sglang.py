@@ -409,14 +409,16 @@ def test_a_fused_parameter_the_checkpoint_fills_in_part_is_loaded_by_sglangs_own
     zeros in the other. The trace counts the bytes nothing writes, so SGLang's own loader
     loads the model from disk as on a cold start (0 preloaded bytes, the daemon never
     asked), with one WARNING naming gate_up_proj and those bytes."""
-    from tests.engines.enginekit import checkpoint_variant, fetches, run_ranks
+    from tests.engines.enginekit import (
+        HALF_FILLED,
+        HALF_FILLED_WHY,
+        fetches,
+        run_ranks,
+        without_up_proj,
+    )
 
-    missing = "model.layers.1.mlp.up_proj.weight"
-    fused = "model.layers.1.mlp.gate_up_proj.weight"  # [2 x 128, 64] bf16
-    why = (f"1 parameter(s) filled in part: {fused}: 16,384 of 32,768 bytes written by no "
-           "checkpoint tensor")  # fmt: skip
-    model_dir = checkpoint_variant(tiny_dirs["llama"], tmp_path / "no-up",
-                                   lambda tensors: tensors.pop(missing))  # fmt: skip
+    fused, why = HALF_FILLED, HALF_FILLED_WHY
+    model_dir = without_up_proj(tiny_dirs["llama"], tmp_path / "no-up")
     daemon = own_layout_daemons(session_daemons, {"llama": model_dir}, 1)["llama", 0]
     try:
         ((result,),) = run_ranks("tests.engines.sglang_layout_kit",

@@ -27,7 +27,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.enginekit import checkpoint_variant, fetches, require_engine, run_ranks
+from tests.engines.enginekit import (
+    HALF_FILLED,
+    HALF_FILLED_WHY,
+    checkpoint_variant,
+    fetches,
+    require_engine,
+    run_ranks,
+    without_up_proj,
+)
 
 require_engine("vllm")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -289,12 +297,8 @@ def test_a_fused_parameter_the_checkpoint_fills_in_part_is_loaded_by_vllms_own_l
 
     from weightcache.integrations.layouts import NotServable
 
-    missing = "model.layers.1.mlp.up_proj.weight"
-    fused = "model.layers.1.mlp.gate_up_proj.weight"  # [2 x 128, 64] bf16
-    why = (f"1 parameter(s) filled in part: {fused}: 16,384 of 32,768 bytes written by no "
-           "checkpoint tensor")  # fmt: skip
-    model_dir = checkpoint_variant(tiny_dirs["llama"], tmp_path / "no-up",
-                                   lambda tensors: tensors.pop(missing))  # fmt: skip
+    fused, why = HALF_FILLED, HALF_FILLED_WHY
+    model_dir = without_up_proj(tiny_dirs["llama"], tmp_path / "no-up")
 
     def loaded(config, loader):
         """The model, or where vLLM cannot post-process here, its failure."""

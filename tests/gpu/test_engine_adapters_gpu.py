@@ -49,6 +49,19 @@ def free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0]
 
 
+def meta_llama(config, device: torch.device):
+    """A bf16 transformers Llama built as engines build theirs: ``device`` the default,
+    parameters moved to meta as they register."""
+    from transformers import LlamaForCausalLM
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device, meta_parameters():
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def llama_logits(model, device: torch.device) -> torch.Tensor:
     tokens = torch.arange(64, device=device).reshape(2, 32) * 37 % 8192
     with torch.inference_mode():
@@ -109,12 +122,7 @@ def test_adapter_path_maps_llama_bit_equal_to_a_cold_load(
         assert decided.preloaded_weights_bytes == status.preloaded_weights_bytes > 0
         assert status.gpu == (uuid or "cpu")
 
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with device, meta_parameters():
-                model = LlamaForCausalLM(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        model = meta_llama(config, device)
         before = free_bytes(device)
         report = load_from_daemon(model, attached.tensors, device)
         after = free_bytes(device)
@@ -171,12 +179,7 @@ def test_the_layout_decision_leaves_the_device_as_the_engine_found_it(run_dir, t
     reserved_in_trace: list[int] = []
 
     def trace():
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with device, meta_parameters():
-                twin = LlamaForCausalLM(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        twin = meta_llama(config, device)
         reserved_in_trace.append(torch.cuda.memory_reserved(device))
         params = dict(twin.named_parameters())
 
