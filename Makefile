@@ -16,6 +16,8 @@ $(VENV_STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[operator,kubernetes,cuda,csi,csi-stubs,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
+	# The post-commit hook warns when a commit leaves the GPU suite's record behind.
+	-git config core.hooksPath .githooks 2>/dev/null
 
 # The CSI plugin's gRPC stubs, from the pinned spec's csi.proto (tools/csi_stubs.py; not
 # committed); cheap when they are current.

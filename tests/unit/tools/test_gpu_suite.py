@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,10 +13,12 @@ import pytest
 from tools.gpu_suite import TIERS, Outcomes, check, tree_hash
 
 
-def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
-    done = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True)
+
+
+def git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=repo, env=GIT_ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -111,7 +114,8 @@ def test_the_smoke_tier_covers_what_every_sidecar_change_needs(tmp_path: Path) -
     two-GPU tests."""
 
     class Collected:
-        ids: list[str] = []
+        def __init__(self) -> None:
+            self.ids: list[str] = []
 
         def pytest_collection_finish(self, session) -> None:
             self.ids.extend(item.nodeid for item in session.items)
@@ -130,6 +134,35 @@ def test_the_smoke_tier_covers_what_every_sidecar_change_needs(tmp_path: Path) -
     assert any("test_readopt_gpu.py" in i for i in ids)
     assert not any("test_tp2_gpu.py" in i or "test_peer_gpu.py" in i for i in ids)
     assert TIERS["full"] == []
+
+
+def test_the_post_commit_hook_warns_when_a_commit_leaves_the_record_behind(repo: Path) -> None:
+    """`make venv` points git at .githooks: after a commit that changes sidecar/, the hook
+    prints the record's warning (the commit itself stands)."""
+    root = Path(__file__).resolve().parents[3]
+    (repo / "tools").mkdir()
+    for name in ("__init__.py", "gpu_suite.py"):
+        shutil.copy(root / "tools" / name, repo / "tools" / name)
+    results = repo / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "gpu-suite.json").write_text(json.dumps(
+        {"sidecar_tree": git(repo, "rev-parse", "HEAD:sidecar"), "failed": 0}))
+    git(repo, "config", "core.hooksPath", str(root / ".githooks"))
+    git(repo, "add", "-A")
+    quiet = commit(repo, "the record and its tool")
+    assert "WARNING" not in quiet  # the record is of this tree
+    (repo / "sidecar" / "run.sh").write_text("#!/bin/sh\necho changed\n")
+    loud = commit(repo, "a sidecar change")
+    assert "WARNING" in loud and "has not run on this sidecar/" in loud
+    assert "a sidecar change" in git(repo, "log", "-1", "--format=%s")
+
+
+def commit(repo: Path, message: str) -> str:
+    """`git commit -a` in ``repo``; what its hooks printed."""
+    done = subprocess.run(["git", "commit", "-qam", message], cwd=repo, env=GIT_ENV,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
 
 
 def record_for(repo: Path, tree: str, failed: list[str]) -> Path:
