@@ -12,7 +12,6 @@ import pytest
 
 from tools.gpu_suite import TIERS, Outcomes, check, tree_hash
 
-
 GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
 
