@@ -249,7 +249,7 @@ def device_use(cold: Mapping, warm: Mapping, daemon_mib: int | None) -> dict:
 _LOG_PATTERNS: dict[str, tuple[str, Callable[[re.Match], object]]] = {
     "load_weight_end": (
         r"Load weight end\. elapsed=([\d.]+) s, type=\w+, .*?avail mem=([\d.]+) GB, "
-        r"mem usage=([\d.]+) GB",
+        r"mem usage=(-?[\d.]+) GB",
         lambda m: {"seconds": float(m[1]), "avail_gb": float(m[2]), "usage_gb": float(m[3])}),
     "kv_cache_allocated": (
         r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, "

@@ -228,10 +228,10 @@ def test_figures_off_vllms_formula_leave_a_residual() -> None:
 # ----------------------------------------------------------------------------- logs
 
 
-def adapter_format(prefix: str) -> str:
-    """The format string of the vLLM adapter's log call that starts with ``prefix``, read
-    from its source: the parser follows the adapter's own words."""
-    source = (REPO / "sidecar" / "weightcache" / "integrations" / "vllm" / "loader.py").read_text()
+def adapter_format(prefix: str, engine: str = "vllm") -> str:
+    """The format string of an adapter's log call that starts with ``prefix``, read from its
+    source (``integrations/<engine>/loader.py``): the parser follows the adapter's own words."""
+    source = (REPO / "sidecar" / "weightcache" / "integrations" / engine / "loader.py").read_text()
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
                 and str(node.args[0].value).startswith(prefix)):  # fmt: skip
