@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("env", "checkpoint", "cold", "warm", "kill9", "report")
@@ -435,6 +437,54 @@ def outputs_verdict(ok: Sequence[Mapping], deterministic_method: str,
     return verdict
 
 
+# The adapters' own words where both engines' loaders share them (integrations/loading.py):
+# the checkpoint layout's line and the disk fallback's WARNING.
+ADAPTER_LOG_PATTERNS: dict[str, tuple[str, Callable[[re.Match], object]]] = {
+    "weightcache_checkpoint_layout": (
+        r"weightcache: (\d+) tensor\(s\) \((\d+) bytes\) mapped zero-copy over (\w+) from "
+        r"daemon pid (\d+); (\d+) tensor\(s\) \((\d+) bytes\) copied",
+        lambda m: {"mapped": int(m[1]), "mapped_bytes": int(m[2]), "transport": m[3],
+                   "daemon_pid": int(m[4]), "copied": int(m[5]), "copied_bytes": int(m[6])}),
+    "weightcache_disk_fallback": (r"weightcache: loading from disk instead of the daemon: (.*)",
+                                  lambda m: m[1].strip()),
+}  # fmt: skip
+
+
+def parse_log(text: str, patterns: Mapping[str, tuple[str, Callable[[re.Match], object]]]) -> dict:
+    """What an engine and the adapter logged about a start: the first match of each pattern
+    (absent keys: not logged), and how many tracebacks."""
+    found = {}
+    for key, (pattern, convert) in patterns.items():
+        match = re.search(pattern, text)
+        if match is not None:
+            found[key] = convert(match)
+    found["tracebacks"] = text.count("Traceback (most recent call last)")
+    return found
+
+
+def engine_report(doc: Mapping, methods: tuple[str, str],
+                  explain: Callable[[Mapping, Mapping], dict],
+                  device_use: Callable[[Mapping, Mapping, Any], dict]) -> dict:  # fmt: skip
+    """:func:`base_report` (``methods``: the deterministic and the graphs verdicts' words)
+    and, per mode with both a cold and a warm start, the engine's KV explanation and its
+    device use against the daemon's (``daemon_device_mib``: its context and the layout)."""
+    report = base_report(doc, *methods)
+    by_run = {s["run"]: s for s in doc["starts"] if s.get("status") == "ok"}
+    daemon_mib = daemon_mib_after_warm(doc)
+    kv = {}
+    for mode, cold_run, warm_run in KV_PAIRS:
+        if cold_run in by_run and warm_run in by_run:
+            cold, warm = by_run[cold_run]["figures"], by_run[warm_run]["figures"]
+            try:
+                kv[mode] = {**explain(cold, warm), **device_use(cold, warm, daemon_mib)}
+            except (KeyError, TypeError, ValueError) as exc:  # another release's figures
+                kv[mode] = {"error": repr(exc)}
+    report["kv"] = kv
+    if daemon_mib is not None:
+        report["daemon_device_mib"] = daemon_mib
+    return report
+
+
 # =========================================================================== engine processes
 
 
@@ -459,6 +509,50 @@ def serve(generate: Callable[[], list[dict]], reference: list[dict], events: Pat
             log.flush()
             time.sleep(0.2)
     return {"served": served, "equal": equal, "failed": failed}
+
+
+def finish_start(spec: Mapping, times: dict, outputs: list[dict], figures: dict,
+                 generate: Callable[[], list[dict]]) -> None:  # fmt: skip
+    """The end of an engine process's start: nvidia-smi's per-process memory beside the
+    figures; with ``serve`` set, generate in a loop until ``stop`` exists; the result."""
+    figures["compute_apps_mib"] = parse_compute_apps(nvidia_smi_apps())
+    result = {"times": times, "outputs": outputs, "figures": figures, "pid": os.getpid()}
+    if spec.get("serve"):
+        result["batches"] = serve(generate, outputs, Path(spec["events"]), Path(spec["stop"]))
+    write_json(Path(spec["result"]), result)
+
+
+def envcheck(engine: str, plugin_group: str, modules: Sequence[str]) -> dict:
+    """What the ``_envcheck`` subcommand of every harness reports (the engine's own fields
+    added): torch and the GPU, ``modules`` (the engine's run path) imported, the plugins
+    the engine sees, weightcache's support, Python's flags."""
+    import importlib
+    import importlib.metadata as md
+
+    import torch
+
+    from weightcache.integrations.versions import detect
+
+    failed = {}
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - each failure is reported
+            failed[module] = repr(exc)
+    cuda = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "transformers": md.version("transformers"), "triton": md.version("triton"),
+        "import_failures": failed,
+        "plugins": sorted(e.value for e in md.entry_points(group=plugin_group)),
+        "weightcache_supports": detect(engine).ok,
+        # 0: Python's assert statements run (the engines' memory checks use them).
+        "optimize": sys.flags.optimize,
+        "dont_write_bytecode": sys.flags.dont_write_bytecode,
+    }  # fmt: skip
 
 
 def nvidia_smi_apps() -> str:
@@ -530,8 +624,10 @@ class Bench:
     script: Path
     schema: str
     log_digest_name: str
+    engine: str  # its adapter: weightcache.integrations.<engine>
     # The stub distributions' entry-point group through which the engine finds plugins.
     plugin_group: str
+    log_patterns: Mapping[str, tuple[str, Callable[[re.Match], object]]] = ADAPTER_LOG_PATTERNS
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -553,17 +649,40 @@ class Bench:
     # ---------------------------------------------------------------- what engines define
 
     def engine_env(self) -> dict[str, str]:
-        """The environment of every engine process (``--site`` first on the path)."""
-        raise NotImplementedError
+        """The environment of every engine process: ``--site`` first on the path, its NCCL
+        (torch 2.14 needs ncclCommResume, which the image's lacks) first on the library
+        path, no network, caches under ``--work`` (kept for the next start)."""
+        site = str(self.args.site)
+        env = dict(os.environ)
+        env.update({
+            "PYTHONPATH": self.engine_pythonpath(),
+            "LD_LIBRARY_PATH": os.pathsep.join(
+                p for p in [f"{site}/nvidia/nccl/lib", os.environ.get("LD_LIBRARY_PATH")] if p),
+            "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TRITON_CACHE_DIR": str(self.work / "cache" / "triton"),
+            "XDG_CACHE_HOME": str(self.work / "cache"),
+        })  # fmt: skip
+        return env
 
     def plugin_stubs(self) -> dict[str, str]:
         """dist-info folder name -> entry point (``name = module:function``) in
-        :attr:`plugin_group`."""
-        raise NotImplementedError
+        :attr:`plugin_group`: the adapter's (as pyproject.toml registers it) and the probe's."""
+        return {
+            "weightcache-0.1.0.dist-info":
+                f"weightcache = weightcache.integrations.{self.engine}:register",
+            "wcbench_probe-0.dist-info": f"wcbench = {PROBE_MODULE}:probe_plugin",
+        }  # fmt: skip
 
     def check_engine(self, engine: Mapping) -> None:
-        """Refuse an engine environment the run cannot use (the envcheck's JSON)."""
-        raise NotImplementedError
+        """Refuse an engine environment the run cannot use (the envcheck's JSON): one
+        weightcache does not support, or whose engine does not see both plugins."""
+        if not engine.get("weightcache_supports"):
+            raise RuntimeError(f"weightcache does not support this engine: {engine}")
+        wanted = {f"weightcache.integrations.{self.engine}:register",
+                  f"{PROBE_MODULE}:probe_plugin"}  # fmt: skip
+        if not wanted <= set(engine.get("plugins", [])):
+            raise RuntimeError(f"the engine does not see the plugins: {engine.get('plugins')}")
 
     def settings(self) -> dict:
         """The run's settings as the result records them."""
@@ -839,7 +958,7 @@ class Bench:
 
     def parse_log(self, text: str) -> dict:
         """What the engine and the adapter logged about a start."""
-        return {"tracebacks": text.count("Traceback (most recent call last)")}
+        return parse_log(text, self.log_patterns)
 
     def compare(self, plan: StartPlan, outputs: list[dict]) -> dict | None:
         """Against the first ok start of the same kernels (graphs, eager, deterministic or
@@ -932,13 +1051,6 @@ class Bench:
             raise RuntimeError("Python runs with its assert statements removed (PYTHONOPTIMIZE): "
                                "the engines check with them; unset it")  # fmt: skip
         self.doc["settings"] = self.settings()
-
-    def check_plugins(self, engine: Mapping, wanted: set[str]) -> None:
-        """Refuse unless the engine sees every entry point in ``wanted``."""
-        if not engine.get("weightcache_supports"):
-            raise RuntimeError(f"weightcache does not support this engine: {engine}")
-        if not wanted <= set(engine.get("plugins", [])):
-            raise RuntimeError(f"the engine does not see the plugins: {engine.get('plugins')}")
 
     def precompile(self) -> float | None:
         """Byte-compile the offline site once (``install`` runs pip with --no-compile, and

@@ -1,11 +1,12 @@
 """Real SGLang on a GPU through weightcache, against SGLang's own cold start (issue 41, item 4).
 
-The same run as ``vllm_real.py`` (benchmarks/README.md, "Running on an offline
-GPU machine"), for SGLang 0.5.23, after ``tools/offline_env.py`` installed the
-wheels of ``benchmarks/sglang_env.txt`` into ``--site``:
+The same run as ``vllm_real.py`` (benchmarks/README.md, "Real SGLang 0.5.23
+through weightcache: how to run it"), for SGLang 0.5.23, after
+``tools/offline_env.py`` installed the wheels of ``benchmarks/sglang_env.txt``
+into ``--site``:
 
-    python3 benchmarks/sglang_real.py --site /tmp/site            # every phase not done
-    python3 benchmarks/sglang_real.py --site /tmp/site --phase cold
+    python3 benchmarks/sglang_real.py --site /tmp/site-sglang     # every phase not done
+    python3 benchmarks/sglang_real.py --site /tmp/site-sglang --phase cold
 
 State lives under ``--work`` (default /tmp/wc-sglang); calls, deadlines, exit
 codes (0 done, 1 failed, 3 call again) and the phases are vllm_real's
@@ -51,9 +52,9 @@ What each start records, beside what vllm_real records: SGLang's own KV size
 (``max_total_num_tokens``, from its server info) and the figures it is sized
 from, read in the scheduler process by a probe plugin (this file, as
 ``wcbench_probe``, SGLang hooks): its free-memory sample before the load
-(``pre_model_load_memory``) and the bytes the loader reported preloaded
-(``account_preloaded_weights``), the device bytes the load took, the free
-memory when the KV pool is sized, the rest it sizes from
+(``measure_pre_model_load_memory``), the bytes the loader reported preloaded (its
+``preloaded_weights_bytes``, which SGLang adds back), the device bytes the load
+took, the free memory when the KV pool is sized, the rest it sizes from
 (``_profile_available_bytes``), the bytes per token and the pool's tokens
 (``calculate_pool_sizes``); the adapter's own storage report (parameters
 mapped zero-copy, in engine memory, with why). ``report.kv`` splits the
@@ -78,13 +79,7 @@ if str(REPO) not in sys.path:  # run as a file on the GPU machine (no install of
 
 from benchmarks import engine_real  # noqa: E402
 from benchmarks.engine_real import (  # noqa: E402
-    KV_PAIRS,
-    PROBE_MODULE,
-    daemon_mib_after_warm,
-    nvidia_smi_apps,
-    parse_compute_apps,
     run_text,
-    serve,
     write_json,
 )
 
@@ -109,13 +104,11 @@ ENGINE_ARGS = {
     "sampling_backend": "pytorch", "grammar_backend": "none", "log_level": "info",
 }  # fmt: skip
 ENGINE_ENV = {
-    "PYTHONUNBUFFERED": "1",
     # FA3 from sgl-kernel, not from the Hugging Face kernels hub (no network there).
     "SGLANG_USE_SGL_FA3_KERNEL": "1",
     # DeepGEMM serves FP8 GEMMs; a bf16 Llama has none (and the wheel is not carried).
     "SGLANG_ENABLE_JIT_DEEPGEMM": "0",
     "SGLANG_IS_FLASHINFER_AVAILABLE": "false",
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
 }  # fmt: skip
 # SGLang's run path on SM90, imported by the env phase in the engine's environment.
 RUN_PATH = (
@@ -267,44 +260,22 @@ _LOG_PATTERNS: dict[str, tuple[str, Callable[[re.Match], object]]] = {
         lambda m: {"plan": m[1], "transport": m[2], "daemon_pid": int(m[3]),
                    "mapped": int(m[4]), "mapped_bytes": int(m[5]),
                    "copied": int(m[6]), "copied_bytes": int(m[7])}),
-    "weightcache_checkpoint_layout": (
-        r"weightcache: (\d+) tensor\(s\) \((\d+) bytes\) mapped zero-copy over (\w+) from "
-        r"daemon pid (\d+); (\d+) tensor\(s\) \((\d+) bytes\) copied",
-        lambda m: {"mapped": int(m[1]), "mapped_bytes": int(m[2]), "transport": m[3],
-                   "daemon_pid": int(m[4]), "copied": int(m[5]), "copied_bytes": int(m[6])}),
-    "weightcache_disk_fallback": (r"weightcache: loading from disk instead of the daemon: (.*)",
-                                  lambda m: m[1].strip()),
     "fa3_from_the_hub": (r"Rollback to implementation from sgl-kernel", lambda m: True),
+    **engine_real.ADAPTER_LOG_PATTERNS,
 }  # fmt: skip
 
 
 def parse_engine_log(text: str) -> dict:
     """What SGLang and the adapter logged about a start: the first match of each pattern
     (absent keys: not logged)."""
-    found = {}
-    for key, (pattern, convert) in _LOG_PATTERNS.items():
-        match = re.search(pattern, text)
-        if match is not None:
-            found[key] = convert(match)
-    found["tracebacks"] = text.count("Traceback (most recent call last)")
-    return found
+    return engine_real.parse_log(text, _LOG_PATTERNS)
 
 
 def build_report(doc: Mapping) -> dict:
     """Outputs, KV and restart figures from the starts recorded so far."""
-    report = engine_real.base_report(doc, DETERMINISTIC_METHOD, GRAPHS_METHOD)
+    report = engine_real.engine_report(doc, (DETERMINISTIC_METHOD, GRAPHS_METHOD),
+                                       explain_tokens, device_use)  # fmt: skip
     ok = [s for s in doc["starts"] if s.get("status") == "ok"]
-    by_run = {s["run"]: s for s in ok}
-    daemon_mib = daemon_mib_after_warm(doc)
-    kv = {}
-    for mode, cold_run, warm_run in KV_PAIRS:
-        if cold_run in by_run and warm_run in by_run:
-            cold, warm = by_run[cold_run]["figures"], by_run[warm_run]["figures"]
-            try:
-                kv[mode] = {**explain_tokens(cold, warm), **device_use(cold, warm, daemon_mib)}
-            except (KeyError, TypeError, ValueError) as exc:  # another SGLang's figures
-                kv[mode] = {"error": repr(exc)}
-    report["kv"] = kv
     report["max_total_num_tokens"] = {s["run"]: s["figures"].get("max_total_num_tokens")
                                       for s in ok}  # fmt: skip
     report["weights"] = {
@@ -314,8 +285,6 @@ def build_report(doc: Mapping) -> dict:
                       ("mapped", "mapped_bytes", "copied", "copied_bytes", "copied_why")}}
         for s in ok
     }  # fmt: skip
-    if daemon_mib is not None:
-        report["daemon_device_mib"] = daemon_mib
     return report
 
 
@@ -363,7 +332,8 @@ def probe_plugin() -> None:
 
     for target, hook, kind in (
         (f"{MODEL_RUNNER}.load_model", _load_model, HookType.AROUND),
-        (f"{MODEL_RUNNER}.account_preloaded_weights", _account, HookType.AROUND),
+        ("sglang.srt.distributed.bootstrap.measure_pre_model_load_memory", _measure,
+         HookType.AROUND),
         ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
          "._profile_available_bytes", _profile, HookType.AROUND),
         ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
@@ -440,12 +410,14 @@ def _adapter_report(loader: object) -> dict:
     return report
 
 
-def _account(original, runner, preloaded_weights_bytes, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-    sample = runner.pre_model_load_memory
-    result = original(runner, preloaded_weights_bytes, *args, **kwargs)
-    _keep("account", {"sample_gib": sample, "preloaded_bytes": preloaded_weights_bytes,
-                      "baseline_gib": runner.pre_model_load_memory})  # fmt: skip
-    return result
+def _measure(original, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    """SGLang's free-memory sample before the load (GiB, the MIN over ranks), the target's.
+    (Not read around ``account_preloaded_weights``: the adapter's hook there replaces
+    SGLang's addition without calling it, so a hook inside it would never run.)"""
+    sample = original(*args, **kwargs)
+    if not kwargs.get("is_draft_worker", False):
+        _PROBE.setdefault("sample_gib", sample)
+    return sample
 
 
 def _profile(original, configurator, pre_model_load_memory, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -454,6 +426,11 @@ def _profile(original, configurator, pre_model_load_memory, *args, **kwargs):  #
     available = _free_bytes(settle=True)
     rest = original(configurator, pre_model_load_memory, *args, **kwargs)
     _PROBE["profile_calls"] = _PROBE.get("profile_calls", 0) + 1
+    # What SGLang sizes from: its sample, and the loader's preloaded bytes it added back.
+    _keep("account", {"sample_gib": _PROBE.get("sample_gib"),
+                      "preloaded_bytes": _PROBE.get("load", {}).get(
+                          "loader_preloaded_weights_bytes", 0),
+                      "baseline_gib": pre_model_load_memory})  # fmt: skip
     _keep("profile", {"pre_model_load_gib": pre_model_load_memory,
                       "mem_fraction_static": get_schedule().mem_fraction_static,
                       "available_measured_bytes": available, "rest_bytes": rest})  # fmt: skip
@@ -509,7 +486,9 @@ def engine_main(spec_path: Path) -> int:
 
     outputs = generate()
     info = engine.get_server_info()
-    figures = json.loads(Path(spec["figures"]).read_text())
+    written = Path(spec["figures"])
+    # Without them (the probe did not load: its error is in the log) the outputs still count.
+    figures = json.loads(written.read_text()) if written.exists() else {"probe_missing": True}
     ready = figures.get("runner_ready", {})
     figures.update({
         "max_total_num_tokens": info.get("max_total_num_tokens"),
@@ -517,12 +496,8 @@ def engine_main(spec_path: Path) -> int:
         "attention_backend": info.get("attention_backend"),
         "sampling_backend": info.get("sampling_backend"),
         "device_used_bytes": ready.get("device_used_bytes"),
-        "compute_apps_mib": parse_compute_apps(nvidia_smi_apps()),
     })  # fmt: skip
-    result = {"times": times, "outputs": outputs, "figures": figures, "pid": os.getpid()}
-    if spec.get("serve"):
-        result["batches"] = serve(generate, outputs, Path(spec["events"]), Path(spec["stop"]))
-    write_json(Path(spec["result"]), result)
+    engine_real.finish_start(spec, times, outputs, figures, generate)
     engine.shutdown()
     return 0
 
@@ -530,40 +505,18 @@ def engine_main(spec_path: Path) -> int:
 def envcheck_main() -> int:
     """Versions, the JIT toolchain and SGLang's run path in the engine's environment
     (``_envcheck``), as JSON."""
-    import importlib
     import importlib.metadata as md
 
-    import torch
-
-    from weightcache.integrations.versions import detect
-
-    failed = {}
-    for module in RUN_PATH:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - each failure is reported
-            failed[module] = repr(exc)
+    report = engine_real.envcheck("sglang", "sglang.srt.plugins", RUN_PATH)
     cuda_home = os.environ.get("CUDA_HOME")
     nvcc = str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else None
     print(json.dumps({
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "capability": list(torch.cuda.get_device_capability(0))
-        if torch.cuda.is_available() else None,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "sglang": md.version("sglang"), "sglang_kernel": md.version("sglang-kernel"),
-        "transformers": md.version("transformers"), "triton": md.version("triton"),
-        "import_failures": failed,
-        "plugins": sorted(e.value for e in md.entry_points(group="sglang.srt.plugins")),
-        "weightcache_supports": detect("sglang").ok,
+        **report, "sglang": md.version("sglang"), "sglang_kernel": md.version("sglang-kernel"),
         "cuda_home": cuda_home,
         "nvcc": run_text([nvcc, "--version"]).splitlines()[-1:] if nvcc else None,
         "libcudart_for_linking": bool(cuda_home)
         and (Path(cuda_home) / "lib64" / "libcudart.so").exists(),
         "host_cxx": run_text([os.environ.get("CXX", "c++"), "--version"]).splitlines()[:1],
-        "optimize": sys.flags.optimize,
-        "dont_write_bytecode": sys.flags.dont_write_bytecode,
     }), flush=True)  # fmt: skip
     return 0
 
@@ -577,42 +530,28 @@ class Bench(engine_real.Bench):
     script = Path(__file__)
     schema = SCHEMA
     log_digest_name = LOG_DIGEST_NAME
+    engine = "sglang"
     plugin_group = "sglang.srt.plugins"
+    log_patterns = _LOG_PATTERNS
     utilization_key = "mem_fraction_static"
 
     def engine_env(self) -> dict[str, str]:
-        site = str(self.args.site)
-        cache = self.work / "cache"
-        env = dict(os.environ)
+        env = super().engine_env()
         env.update(ENGINE_ENV)
-        env.update({
-            "PYTHONPATH": self.engine_pythonpath(),
-            # torch 2.14's NCCL, carried (torch 2.14 needs ncclCommResume; the image's lacks it).
-            "LD_LIBRARY_PATH": os.pathsep.join(
-                p for p in [f"{site}/nvidia/nccl/lib", os.environ.get("LD_LIBRARY_PATH")] if p),
-            # SGLang's JIT kernels, built at the first start, found again by the next ones.
-            "SGLANG_CACHE_DIR": str(cache / "sglang"),
-            "TRITON_CACHE_DIR": str(cache / "triton"),
-            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-            "XDG_CACHE_HOME": str(cache),
-        })  # fmt: skip
+        cache = self.work / "cache"
+        # SGLang's JIT kernels, built at the first start, found again by the next ones.
+        env["SGLANG_CACHE_DIR"] = str(cache / "sglang")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         home = find_cuda_home(os.environ, shutil.which, sorted(Path("/usr/local").glob("cuda*")))
         if home is not None:
             env["CUDA_HOME"] = home
         return env
 
-    def plugin_stubs(self) -> dict[str, str]:
-        return {
-            "weightcache-0.1.0.dist-info": "weightcache = weightcache.integrations.sglang:register",
-            "wcbench_probe-0.dist-info": f"wcbench = {PROBE_MODULE}:probe_plugin",
-        }
-
     def start_spec(self, plan: engine_real.StartPlan) -> dict:
         return {"transports": ["vmm_fd"]}
 
     def check_engine(self, engine: Mapping) -> None:
-        self.check_plugins(engine, {"weightcache.integrations.sglang:register",
-                                    f"{PROBE_MODULE}:probe_plugin"})  # fmt: skip
+        super().check_engine(engine)
         if not engine.get("nvcc") or not engine.get("host_cxx"):
             raise RuntimeError(
                 "SGLang 0.5.23 JIT-compiles a Llama's SiLU, RoPE and KV-store kernels with "
@@ -636,9 +575,6 @@ class Bench(engine_real.Bench):
 
     def capacity(self, start: Mapping) -> str:
         return f"max_total_num_tokens {start['figures'].get('max_total_num_tokens')}"
-
-    def parse_log(self, text: str) -> dict:
-        return parse_engine_log(text)
 
     def report(self) -> dict:
         return build_report(self.doc)

@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -109,7 +108,6 @@ from benchmarks.engine_real import (  # noqa: E402, F401 - the harness's names, 
     Incomplete,
     StartPlan,
     compare_outputs,
-    daemon_mib_after_warm,
     llama_tensors,
     nvidia_smi_apps,
     outputs_digest,
@@ -242,47 +240,25 @@ _LOG_PATTERNS: dict[str, tuple[str, Callable[[re.Match], object]]] = {
         lambda m: {"plan": m[1], "transport": m[2], "daemon_pid": int(m[3]),
                    "mapped": int(m[4]), "mapped_bytes": int(m[5]),
                    "copied": int(m[6]), "copied_bytes": int(m[7])}),
-    "weightcache_checkpoint_layout": (
-        r"weightcache: (\d+) tensor\(s\) \((\d+) bytes\) mapped zero-copy over (\w+) from "
-        r"daemon pid (\d+); (\d+) tensor\(s\) \((\d+) bytes\) copied",
-        lambda m: {"mapped": int(m[1]), "mapped_bytes": int(m[2]), "transport": m[3],
-                   "daemon_pid": int(m[4]), "copied": int(m[5]), "copied_bytes": int(m[6])}),
-    "weightcache_disk_fallback": (r"weightcache: loading from disk instead of the daemon: (.*)",
-                                  lambda m: m[1].strip()),
     "compiled_graphs": (r"Compiling a graph for compile range", lambda m: True),
     "compile_cache_hit": (r"Directly load the compiled graph", lambda m: True),
     "model_runner_v1_fallback": (r"Model Runner V2 does not yet support (.*?); using the V1",
                                  lambda m: m[1]),
+    **engine_real.ADAPTER_LOG_PATTERNS,
 }  # fmt: skip
 
 
 def parse_engine_log(text: str) -> dict:
     """What vLLM and the adapter logged about a start: the first match of each pattern
     (absent keys: not logged)."""
-    found = {}
-    for key, (pattern, convert) in _LOG_PATTERNS.items():
-        match = re.search(pattern, text)
-        if match is not None:
-            found[key] = convert(match)
-    found["tracebacks"] = text.count("Traceback (most recent call last)")
-    return found
+    return engine_real.parse_log(text, _LOG_PATTERNS)
 
 
 def build_report(doc: Mapping) -> dict:
     """Outputs, KV and restart figures from the starts recorded so far."""
-    report = engine_real.base_report(doc, DETERMINISTIC_METHOD, GRAPHS_METHOD)
+    report = engine_real.engine_report(doc, (DETERMINISTIC_METHOD, GRAPHS_METHOD), explain_kv,
+                                       device_use)  # fmt: skip
     ok = [s for s in doc["starts"] if s.get("status") == "ok"]
-    by_run = {s["run"]: s for s in ok}
-    daemon_mib = daemon_mib_after_warm(doc)
-    kv = {}
-    for mode, cold_run, warm_run in KV_PAIRS:
-        if cold_run in by_run and warm_run in by_run:
-            cold, warm = by_run[cold_run]["figures"], by_run[warm_run]["figures"]
-            try:
-                kv[mode] = {**explain_kv(cold, warm), **device_use(cold, warm, daemon_mib)}
-            except (KeyError, ValueError) as exc:  # the figures of another vLLM: say so
-                kv[mode] = {"error": repr(exc)}
-    report["kv"] = kv
     report["num_gpu_blocks"] = {s["run"]: s["figures"]["num_gpu_blocks"] for s in ok}
     report["weights"] = {
         s["run"]: {"load_device_bytes": s["figures"]["load"]["device_bytes"],
@@ -293,9 +269,6 @@ def build_report(doc: Mapping) -> dict:
                    "copied_bytes": s["figures"]["load"].get("copied_bytes")}
         for s in ok
     }  # fmt: skip
-    if daemon_mib is not None:
-        # The daemon's own device memory: its CUDA context and the layout it holds.
-        report["daemon_device_mib"] = daemon_mib
     return report
 
 
@@ -502,11 +475,7 @@ def engine_main(spec_path: Path) -> int:
     outputs = generate()
     (figures,) = llm.collective_rpc("wcbench_figures")
     figures["num_gpu_blocks_engine"] = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    figures["compute_apps_mib"] = parse_compute_apps(nvidia_smi_apps())
-    result = {"times": times, "outputs": outputs, "figures": figures, "pid": os.getpid()}
-    if spec.get("serve"):
-        result["batches"] = serve(generate, outputs, Path(spec["events"]), Path(spec["stop"]))
-    write_json(Path(spec["result"]), result)
+    engine_real.finish_start(spec, times, outputs, figures, generate)
     return 0
 
 
@@ -526,36 +495,14 @@ def _top(position: Mapping) -> list[list]:
 
 def envcheck_main() -> int:
     """Versions and vLLM's run path in the engine's environment (``_envcheck``), as JSON."""
-    import importlib
-    import importlib.metadata as md
-
-    import torch
     import vllm
 
-    from weightcache.integrations.versions import detect
-
-    failed = {}
-    for module in ("vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.worker.gpu_worker",
-                   "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner",
-                   "vllm.model_executor.models.llama", "vllm.v1.attention.backends.flash_attn",
-                   "weightcache.integrations.vllm.loader"):  # fmt: skip
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - each failure is reported
-            failed[module] = repr(exc)
-    print(json.dumps({
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(), "gpu": torch.cuda.get_device_name(0),
-        "capability": list(torch.cuda.get_device_capability(0)),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "vllm": vllm.__version__,
-        "transformers": md.version("transformers"), "triton": md.version("triton"),
-        "import_failures": failed,
-        "plugins": sorted(e.value for e in md.entry_points(group="vllm.general_plugins")),
-        "weightcache_supports": detect("vllm").ok,
-        # 0: Python's assert statements run (vLLM's memory profiler checks with one).
-        "optimize": sys.flags.optimize,
-        "dont_write_bytecode": sys.flags.dont_write_bytecode,
-    }), flush=True)  # fmt: skip
+    report = engine_real.envcheck("vllm", "vllm.general_plugins", (
+        "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.worker.gpu_worker",
+        "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner",
+        "vllm.model_executor.models.llama", "vllm.v1.attention.backends.flash_attn",
+        "weightcache.integrations.vllm.loader"))  # fmt: skip
+    print(json.dumps({**report, "vllm": vllm.__version__}), flush=True)
     return 0
 
 
@@ -568,38 +515,21 @@ class Bench(engine_real.Bench):
     script = Path(__file__)
     schema = SCHEMA
     log_digest_name = LOG_DIGEST_NAME
+    engine = "vllm"
     plugin_group = "vllm.general_plugins"
+    log_patterns = _LOG_PATTERNS
     utilization_key = "gpu_memory_utilization"
 
     def engine_env(self) -> dict[str, str]:
-        site = str(self.args.site)
-        env = dict(os.environ)
+        env = super().engine_env()
         env.update({
-            "PYTHONPATH": self.engine_pythonpath(),
-            "LD_LIBRARY_PATH": os.pathsep.join(
-                p for p in [f"{site}/nvidia/nccl/lib", os.environ.get("LD_LIBRARY_PATH")] if p),
-            "PYTHONUNBUFFERED": "1",
-            "VLLM_USE_FLASHINFER_SAMPLER": "0",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
             "VLLM_CACHE_ROOT": str(self.work / "cache" / "vllm"),
-            "TRITON_CACHE_DIR": str(self.work / "cache" / "triton"),
-            "XDG_CACHE_HOME": str(self.work / "cache"),
         })  # fmt: skip
         return env
 
     def deterministic_env(self) -> dict[str, str]:
         return {"VLLM_BATCH_INVARIANT": "1"}
-
-    def plugin_stubs(self) -> dict[str, str]:
-        return {
-            "weightcache-0.1.0.dist-info": "weightcache = weightcache.integrations.vllm:register",
-            "wcbench_probe-0.dist-info": f"wcbench = {PROBE_MODULE}:probe_plugin",
-        }
-
-    def check_engine(self, engine: Mapping) -> None:
-        self.check_plugins(engine, {"weightcache.integrations.vllm:register",
-                                    f"{PROBE_MODULE}:probe_plugin"})  # fmt: skip
 
     def settings(self) -> dict:
         return {
@@ -615,9 +545,6 @@ class Bench(engine_real.Bench):
 
     def capacity(self, start: Mapping) -> str:
         return f"{start['figures']['num_gpu_blocks']} KV blocks"
-
-    def parse_log(self, text: str) -> dict:
-        return parse_engine_log(text)
 
     def report(self) -> dict:
         return build_report(self.doc)

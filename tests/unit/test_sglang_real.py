@@ -300,7 +300,7 @@ def test_sglang_finds_both_plugins_and_its_jit_toolkit(
     ).stdout  # fmt: skip
     assert json.loads(listed) == ["wcbench_probe:probe_plugin",
                                   "weightcache.integrations.sglang:register"]  # fmt: skip
-    probe = runner.plugin_dir() / f"{bench.PROBE_MODULE}.py"
+    probe = runner.plugin_dir() / f"{engine_real.PROBE_MODULE}.py"
     assert probe.resolve() == Path(bench.__file__).resolve()
     with pytest.raises(RuntimeError, match="JIT-compiles"):
         runner.check_engine({"weightcache_supports": True, "nvcc": None,
