@@ -228,10 +228,10 @@ def test_figures_off_vllms_formula_leave_a_residual() -> None:
 # ----------------------------------------------------------------------------- logs
 
 
-def adapter_format(prefix: str) -> str:
-    """The format string of the vLLM adapter's log call that starts with ``prefix``, read
-    from its source: the parser follows the adapter's own words."""
-    source = (REPO / "sidecar" / "weightcache" / "integrations" / "vllm" / "loader.py").read_text()
+def adapter_format(prefix: str, engine: str = "vllm") -> str:
+    """The format string of an adapter's log call that starts with ``prefix``, read from its
+    source (``integrations/<engine>/loader.py``): the parser follows the adapter's own words."""
+    source = (REPO / "sidecar" / "weightcache" / "integrations" / engine / "loader.py").read_text()
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
                 and str(node.args[0].value).startswith(prefix)):  # fmt: skip
@@ -441,9 +441,9 @@ def test_a_schedule_resumes_where_it_stopped_and_stops_before_the_deadline(
 
 def test_an_event_line_still_being_written_is_not_read(tmp_path: Path) -> None:
     events = tmp_path / "e"
-    assert bench._events(events) == []
+    assert bench.read_events(events) == []
     events.write_text('{"started": 1.0, "equal": true, "error": null}\n{"started": 2.')
-    assert bench._events(events) == [{"started": 1.0, "equal": True, "error": None}]
+    assert bench.read_events(events) == [{"started": 1.0, "equal": True, "error": None}]
 
 
 def test_an_engine_a_cut_off_call_left_running_is_ended_by_the_next(tmp_path: Path) -> None:

@@ -83,7 +83,11 @@ VENVS: dict[str, EngineVenv] = {
                 "test_at_tp_2_each_rank_maps_its_own_layout_bit_equal_to_a_cold_load",
             ),
         ),
-        EngineVenv("sglang", "sglang", ("test_sglang.py", "test_sglang_server.py")),
+        # The server test, and sglang_real.py's engine process generating on CPU (the GPU
+        # run's dry run), once.
+        EngineVenv(
+            "sglang", "sglang", ("test_sglang.py", "test_sglang_server.py", "test_sglang_real.py")
+        ),
         EngineVenv(
             "sglang_prev",
             "sglang",
