@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -358,6 +359,36 @@ def check_result(doc: Mapping, schema: str) -> list[str]:
     return problems
 
 
+def timeline(t0: float, times: Mapping[str, float], stamps: Mapping[str, Sequence[float]],
+             order: Sequence[str]) -> dict[str, float]:
+    """Where a start's seconds went, in order, from the harness's spawn (``t0``) to the first
+    token. ``times``: the driver process's own clock readings (``imported``, ``ready``,
+    ``first_token``); ``stamps``: the engine's phases as ``[start, end]`` wall-clock pairs
+    (another process of the same machine: the same clock), ``order`` their order, plus
+    ``process_started`` / ``plugin_loaded`` (the engine process's creation and its plugin
+    hook, where its imports are done) when the engine runs in a process of its own. Time
+    between two phases is named for the gap (``before_<phase>``), so the parts add up to
+    the first token's time exactly."""
+    parts: dict[str, float] = {"driver_imports": times["imported"] - t0}
+    last = times["imported"]
+    spawned = stamps.get("process_started")
+    loaded = stamps.get("plugin_loaded")
+    if spawned is not None and loaded is not None:
+        parts["engine_process_spawn"] = spawned[0] - last
+        parts["engine_process_imports"] = loaded[0] - spawned[0]
+        last = loaded[0]
+    for phase in order:
+        if phase not in stamps:
+            continue
+        start, end = stamps[phase]
+        parts[f"before_{phase}"] = start - last
+        parts[phase] = end - start
+        last = end
+    parts["until_ready"] = times["ready"] - last
+    parts["first_token"] = times["first_token"] - times["ready"]
+    return {name: round(seconds, 3) for name, seconds in parts.items()}
+
+
 def start_mode(start: Mapping) -> str:
     """A recorded start's :attr:`StartPlan.mode`."""
     return ("tight_" if start.get("tight") else "") + ("eager" if start["eager"] else "graphs")
@@ -389,8 +420,22 @@ def base_report(doc: Mapping, deterministic_method: str, graphs_method: str) -> 
                 "load_s": seconds([s["figures"]["load"]["seconds"] for s in counted]),
             }
     report["restarts"] = restarts
+    report["where_the_time_goes"] = {
+        f"{arm}_{mode}": _median_parts([s["timeline"] for s in ok if s["arm"] == arm
+                                        and s["counted"] and start_mode(s) == mode
+                                        and s.get("timeline")])
+        for arm in ("cold", "warm") for mode, _, _ in KV_PAIRS
+    }  # fmt: skip
     report["asserts_on"] = (doc.get("machine") or {}).get("engine", {}).get("optimize") == 0
     return report
+
+
+def _median_parts(timelines: Sequence[Mapping[str, float]]) -> dict[str, float] | None:
+    """Each part's median over ``timelines`` (the parts every one of them has)."""
+    if not timelines:
+        return None
+    names = [n for n in timelines[0] if all(n in t for t in timelines)]
+    return {n: round(statistics.median(t[n] for t in timelines), 3) for n in names}
 
 
 def daemon_mib_after_warm(doc: Mapping) -> int | None:
@@ -945,6 +990,8 @@ class Bench:
             "status": "ok",
             "timing": {"import_s": times["imported"] - t0, "ready_s": times["ready"] - t0,
                        "first_token_s": times["first_token"] - t0},
+            "timeline": timeline(t0, times, result["figures"].get("stamps", {}),
+                                 self.phase_order),
             "figures": result["figures"],
             "outputs_digest": outputs_digest(result["outputs"]),
         })  # fmt: skip
@@ -953,6 +1000,8 @@ class Bench:
         record["comparison"] = self.compare(plan, result["outputs"])
         return record
 
+    # The engine's phases a start's timeline names, in order (its probe stamps them).
+    phase_order: Sequence[str] = ()
     # The key under which a start records its utilization (the engine's own name).
     utilization_key = "utilization"
 

@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -297,10 +298,28 @@ _PROBE: dict = {}
 _DEPTH = [0]
 
 
+# The worker's start, in vLLM 0.33's order (EngineCore.__init__ and its KV set-up): each
+# stamped by the probe (engine_real.timeline names the gaps between them).
+WORKER_PHASES = ("init_device", "load_model", "determine_available_memory",
+                 "initialize_from_config", "compile_or_warm_up_model")  # fmt: skip
+
+
 def probe_plugin() -> None:
-    """vLLM's plugin hook: wrap the loaders' load_model, add the figures method."""
+    """vLLM's plugin hook (every vLLM process runs it once its imports are done): stamp the
+    process's start and the worker's phases, wrap the loaders' load_model, add the figures
+    method."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerBase
+
+    stamps = _PROBE.setdefault("stamps", {})
+    now = time.time()
+    stamps.setdefault("process_started", [_process_started(), now])
+    stamps.setdefault("plugin_loaded", [now, now])
+    for name in WORKER_PHASES:
+        original = Worker.__dict__.get(name)
+        if original is not None and not getattr(original, "wcbench", False):
+            setattr(Worker, name, _stamped(name, original))
 
     classes: list[type] = [BaseModelLoader]
     try:
@@ -315,6 +334,29 @@ def probe_plugin() -> None:
             if original is not None and not getattr(original, "wcbench", False):
                 setattr(cls, name, wrap(original))
     WorkerBase.wcbench_figures = _worker_figures
+
+
+def _stamped(name: str, original: Callable) -> Callable:
+    """``original`` recording the wall-clock start and end of its first call."""
+
+    def stamped(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - vLLM's
+        started = time.time()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PROBE["stamps"].setdefault(name, [started, time.time()])
+
+    stamped.wcbench = True
+    return stamped
+
+
+def _process_started() -> float:
+    """This process's creation, wall clock (its start time in /proc/self/stat, in clock
+    ticks since boot)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))  # fmt: skip
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _budget(original: Callable) -> Callable:
@@ -435,7 +477,8 @@ def _worker_figures(worker: object) -> dict:
         "torch_allocated_bytes": torch.cuda.memory_allocated(),
         "load": dict(_PROBE.get("load", {})),
         "budget": dict(_PROBE.get("budget", {})),
-        "probe": {k: v for k, v in _PROBE.items() if k not in ("load", "budget")},
+        "stamps": dict(_PROBE.get("stamps", {})),
+        "probe": {k: v for k, v in _PROBE.items() if k not in ("load", "budget", "stamps")},
     }  # fmt: skip
 
 
@@ -519,6 +562,7 @@ class Bench(engine_real.Bench):
     plugin_group = "vllm.general_plugins"
     log_patterns = _LOG_PATTERNS
     utilization_key = "gpu_memory_utilization"
+    phase_order = WORKER_PHASES
 
     def engine_env(self) -> dict[str, str]:
         env = super().engine_env()

@@ -459,3 +459,37 @@ def test_an_engine_a_cut_off_call_left_running_is_ended_by_the_next(tmp_path: Pa
         if left.poll() is None:
             left.kill()
             left.wait()
+
+
+def test_a_starts_seconds_split_into_its_phases_and_add_up_to_the_first_token() -> None:
+    """Issue 44: where a start's time goes, from the driver's spawn to the first token: the
+    driver's imports, the engine process's spawn and imports (its probe's stamps), each
+    worker phase and the gaps between them, until ready, the first token."""
+    t0 = 1000.0
+    times = {"imported": 1012.0, "ready": 1034.0, "first_token": 1034.5}
+    stamps = {"process_started": [1013.0, 1016.0], "plugin_loaded": [1016.0, 1016.0],
+              "init_device": [1016.5, 1018.0], "load_model": [1018.0, 1018.25],
+              "determine_available_memory": [1020.0, 1025.0],
+              "initialize_from_config": [1025.0, 1025.5],
+              "compile_or_warm_up_model": [1025.5, 1031.0]}  # fmt: skip
+    parts = bench.engine_real.timeline(t0, times, stamps, bench.WORKER_PHASES)
+    assert list(parts) == [
+        "driver_imports", "engine_process_spawn", "engine_process_imports",
+        "before_init_device", "init_device", "before_load_model", "load_model",
+        "before_determine_available_memory", "determine_available_memory",
+        "before_initialize_from_config", "initialize_from_config",
+        "before_compile_or_warm_up_model", "compile_or_warm_up_model", "until_ready",
+        "first_token",
+    ]  # fmt: skip
+    assert parts["engine_process_imports"] == 3.0 and parts["load_model"] == 0.25
+    assert parts["before_determine_available_memory"] == 1.75  # torch.compile's first pass
+    assert sum(parts.values()) == pytest.approx(times["first_token"] - t0)
+    # A phase the probe did not see (another vLLM) leaves its time to the next gap.
+    del stamps["initialize_from_config"]
+    fewer = bench.engine_real.timeline(t0, times, stamps, bench.WORKER_PHASES)
+    assert "initialize_from_config" not in fewer
+    assert fewer["before_compile_or_warm_up_model"] == 0.5
+    assert sum(fewer.values()) == pytest.approx(times["first_token"] - t0)
+    # The report's figure per arm and mode: each part's median over the counted starts.
+    medians = bench.engine_real._median_parts([parts, {**parts, "load_model": 0.75}, parts])
+    assert medians["load_model"] == 0.25 and list(medians) == list(parts)
