@@ -968,7 +968,8 @@ def engine_pod(node: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"engine-{node}", "labels": {"app": ENGINE_APP}},
+        "metadata": {"name": f"engine-{node}",
+                     "labels": {"app": ENGINE_APP, names.GATED_LABEL: names.GATED_VALUE}},
         "spec": {
             "nodeName": node,
             "readinessGates": [{"conditionType": names.GATE_CONDITION}],

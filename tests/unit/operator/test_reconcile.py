@@ -83,7 +83,7 @@ class RecordingKube:
         self._write("status", dict(status))
 
     async def set_pod_condition(self, namespace: str, name: str,
-                                condition: Mapping[str, Any]) -> None:
+                                condition: Mapping[str, Any], uid: str | None = None) -> None:
         self._write("gate", (name, condition["status"], condition["reason"]))
         self.conditions[name] = Condition(
             condition["status"], condition["reason"], condition["message"])
