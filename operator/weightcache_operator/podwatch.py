@@ -23,6 +23,7 @@ resident.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import threading
@@ -126,12 +127,16 @@ class EnginePodWatch:
         self._thread: threading.Thread | None = None
         self._response: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # The context of the caller of start() (kopf's, which kopf.event needs): every
+        # judgement runs in a copy of it, whichever thread saw the event.
+        self._context = contextvars.copy_context()
 
     # ------------------------------------------------------------------ on the event loop
 
     async def start(self) -> None:
         """List every engine pod (the index is whole when this returns), then keep watching
         in a thread of its own."""
+        self._context = contextvars.copy_context()
         found, version = await asyncio.to_thread(self.list_pods)
         self._resync(found)
         loop = asyncio.get_running_loop()
@@ -184,7 +189,8 @@ class EnginePodWatch:
         if not self._judging or uid in self._running:
             return
         self._running.add(uid)
-        task = asyncio.get_running_loop().create_task(self._work(uid))
+        task = asyncio.get_running_loop().create_task(self._work(uid),
+                                                      context=self._context.copy())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
