@@ -190,11 +190,12 @@ def engine_deployment(namespace: str, cache: str, node: str, version: str,
         "containers": [{"name": "engine", "image": f"engine:{version}"}],
     }
     labels = {"app": f"{cache}-engine"}
+    marked: dict[str, str] = {}
     if gated:
         # Selector-gated, created without the webhook: the pod carries the label the
         # operator's watch selects itself.
         pod_spec["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
-        labels = {**labels, names.GATED_LABEL: names.GATED_VALUE}
+        marked = {names.GATED_LABEL: names.GATED_VALUE}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -204,7 +205,7 @@ def engine_deployment(namespace: str, cache: str, node: str, version: str,
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": {**labels, "version": version}},
+            "template": {"metadata": {"labels": {**labels, **marked, "version": version}},
                          "spec": pod_spec},
         },
     }
@@ -393,13 +394,14 @@ class WebhookProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env["KUBECONFIG"] = str(self.kubeconfig)
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache_operator", "webhook", "--address", "127.0.0.1",
-             "--port", str(self.port), "--cert", str(self.cert), "--key", str(self.key)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-        )
+        self.proc = subprocess.Popen(self.argv(), env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         log.close()
         eventually("the webhook listens", self.listening)
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "weightcache_operator", "webhook", "--address",
+                "127.0.0.1", f"--port={self.port}", f"--cert={self.cert}", f"--key={self.key}"]
 
     def listening(self) -> bool:
         assert self.proc is not None
