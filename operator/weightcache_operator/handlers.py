@@ -121,6 +121,7 @@ async def watch_engine_pods(memo: kopf.Memo, **kwargs: Any) -> None:
     """List the engine pods before kopf starts its watches, so that no handler ever sees
     their index half filled; keep watching them from then on."""
     indices = {name: kwargs[name] for name in KOPF_INDICES}
+    memo.indices = indices
 
     async def judge(change: podwatch.Change) -> None:
         await engine_pod_changed(memo, state_of(memo, indices), change)
@@ -211,11 +212,21 @@ async def daemon_pod_event(
         await memo.reconciler.apply_daemonset(state, cache)
 
 
-@kopf.on.event("v1", "nodes")
-def indices_filled(memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event("v1", "nodes", when=lambda memo, **_: not memo.engine_pods.judging)
+async def indices_filled(memo: kopf.Memo, **_: Any) -> None:
     """kopf runs event handlers only once every index is filled: engine pods may now be
-    judged (a no-op after the first node event)."""
+    judged. Once: the first node event; then the gated pods the watch cannot see (no
+    label: admitted before it existed, or its label removed while the operator was down)
+    have any open gate closed."""
+    if memo.engine_pods.judging:
+        return
     memo.engine_pods.judge()
+    state = state_of(memo, memo.indices)
+    queries = podwatch.unwatched_queries(
+        (c.namespace, parsed[0].engine.selector) for c in state.live_caches()
+        if not isinstance(parsed := memo.reconciler.parsed(c), Exception))
+    for pod in await asyncio.to_thread(memo.engine_pods.unwatched_open, queries):
+        await memo.reconciler.close_unwatched_gate(pod)
 
 
 async def engine_pod_changed(memo: kopf.Memo, state: State, change: podwatch.Change) -> None:

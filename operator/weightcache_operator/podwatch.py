@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from . import names, views
+from .spec import LabelSelector
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,31 @@ CONCURRENCY = 32
 MAX_BACKOFF_SECONDS = 30.0
 
 Key = tuple[str, "str | None"]
+# Pods the watch cannot see: without the label, or with another value.
+UNWATCHED = f"{names.GATED_LABEL}!={names.GATED_VALUE}"
+
+
+def selector_string(selector: LabelSelector) -> str:
+    """A cache's `spec.engine.selector` as an apiserver label selector."""
+    parts = [f"{k}={v}" for k, v in sorted(selector.match_labels.items())]
+    for req in selector.match_expressions:
+        values = ",".join(req.values)
+        parts.append({"In": f"{req.key} in ({values})", "NotIn": f"{req.key} notin ({values})",
+                      "Exists": req.key, "DoesNotExist": f"!{req.key}"}[req.operator])
+    return ",".join(parts)
+
+
+def unwatched_queries(caches: Iterable[tuple[str, LabelSelector | None]]
+                      ) -> list[tuple[str | None, str]]:
+    """(namespace or None for all, label selector) finding every pod a cache would gate
+    that the watch cannot see: one-label pods cluster-wide (but the daemons, which carry the
+    cache label too), and each cache's selected pods in its namespace."""
+    queries: list[tuple[str | None, str]] = [
+        (None, f"{names.CACHE_LABEL},{UNWATCHED},"
+               f"{names.COMPONENT_LABEL}!={names.DAEMON_COMPONENT}")]
+    queries.extend((namespace, f"{selector_string(selector)},{UNWATCHED}")
+                   for namespace, selector in caches if selector is not None)
+    return queries
 
 
 class EnginePodIndex(Mapping[Key, tuple[views.EnginePodView, ...]]):
@@ -127,7 +153,7 @@ class EnginePodWatch:
         self._thread: threading.Thread | None = None
         self._response: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
-        # The context of the caller of start() (kopf's, which kopf.event needs): every
+        # The context of the caller of judge() (a kopf handler's: kopf.event needs it): every
         # judgement runs in a copy of it, whichever thread saw the event.
         self._context = contextvars.copy_context()
 
@@ -136,7 +162,6 @@ class EnginePodWatch:
     async def start(self) -> None:
         """List every engine pod (the index is whole when this returns), then keep watching
         in a thread of its own."""
-        self._context = contextvars.copy_context()
         found, version = await asyncio.to_thread(self.list_pods)
         self._resync(found)
         loop = asyncio.get_running_loop()
@@ -153,12 +178,17 @@ class EnginePodWatch:
             except Exception:  # noqa: BLE001 - the reader thread ends either way
                 pass
 
+    @property
+    def judging(self) -> bool:
+        return self._judging
+
     def judge(self) -> None:
         """From now on, changes are judged (kopf's indices are filled); those seen so far
-        first."""
+        first. Called from a kopf handler, whose context every judgement runs in."""
         if self._judging:
             return
         self._judging = True
+        self._context = contextvars.copy_context()
         for uid in list(self._dirty):
             self._spawn(uid)
 
@@ -232,10 +262,33 @@ class EnginePodWatch:
                 if exc.status != 410:
                     raise
 
-    def _get(self, params: dict[str, Any]) -> dict[str, Any]:
-        response = self.core.list_pod_for_all_namespaces(
-            label_selector=SELECTOR, _preload_content=False, _request_timeout=(10, 120),
-            **{k: v for k, v in params.items() if v is not None})
+    def unwatched_open(self, queries: Iterable[tuple[str | None, str]]
+                       ) -> list[views.EnginePodView]:
+        """The gated pods those queries find whose gate stands open (an operator before
+        the label, or one that did not see it removed, opened it); in pages, bounded views."""
+        found: dict[str, views.EnginePodView] = {}
+        for namespace, selector in queries:
+            token: str | None = None
+            while True:
+                page = self._get(dict(limit=self._page, _continue=token), selector, namespace)
+                for obj in page.get("items") or []:
+                    if views.has_gate(obj):
+                        view = views.engine_pod_view(obj)
+                        if view.gate is not None and view.gate.status == "True":
+                            found[view.uid] = view
+                token = (page.get("metadata") or {}).get("continue")
+                del page
+                if not token:
+                    break
+        return list(found.values())
+
+    def _get(self, params: dict[str, Any], selector: str = SELECTOR,
+             namespace: str | None = None) -> dict[str, Any]:
+        kwargs = dict(label_selector=selector, _preload_content=False,
+                      _request_timeout=(10, 120),
+                      **{k: v for k, v in params.items() if v is not None})
+        response = (self.core.list_namespaced_pod(namespace, **kwargs) if namespace
+                    else self.core.list_pod_for_all_namespaces(**kwargs))
         try:
             return json.loads(response.data)
         finally:

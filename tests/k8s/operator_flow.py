@@ -56,6 +56,14 @@ def eventually(what: str, probe: Callable[[], T | None], bound: float = 90.0) ->
     raise AssertionError(f"never reached: {what} (last probe: {last!r})")
 
 
+def oversized_labels(count: int, tag: str = "") -> dict[str, str]:
+    """`count` valid labels of ~330 bytes each (2,700: the ~900 KB of issue 43's tenant): a
+    DNS-subdomain prefix, a 63-character name, a 63-character value."""
+    prefix = ".".join(c * 60 for c in "xyz")
+    return {f"k{tag}{i:04d}.{prefix}.example/{'n' * 58}{i:05d}": "v" * 63
+            for i in range(count)}
+
+
 def default_service_account(api: Api, namespace: str) -> k8s.V1ServiceAccount:
     """Wait for a new namespace's default ServiceAccount (the controller manager makes it a
     moment after the namespace; pods are refused until then)."""

@@ -40,6 +40,7 @@ from tests.k8s.operator_flow import (
     is_ready,
     minilm_dir,
     operator_policy,
+    oversized_labels,
 )
 from tools.testenv import pki
 from tools.testenv.cluster import Cluster
@@ -341,13 +342,10 @@ def test_a_selector_gated_pod_is_marked_for_the_watch_and_gated(
     scene.start_daemon()
     eventually("the selected pod's gate opens", lambda: gate_of(
         api.core.read_namespaced_pod("selected", ns)) == ("True", "WeightsResident"))
-
-
-def attack_labels(count: int) -> dict[str, str]:
-    """`count` valid labels of ~330 bytes each (2,700: the security review's ~900 KB): a
-    DNS-subdomain prefix, a 63-character name, a 63-character value."""
-    prefix = ".".join(c * 60 for c in "xyz")
-    return {f"k{i:04d}.{prefix}.example/{'n' * 58}{i:05d}": "v" * 63 for i in range(count)}
+    # The gate's transitions are posted as the pod's Events, as before the watch moved.
+    eventually("the pod's WeightsResident event", lambda: [
+        e for e in api.core.list_namespaced_event(ns).items
+        if e.involved_object.name == "selected" and e.reason == "WeightsResident"])
 
 
 def test_a_gated_pod_past_the_limits_is_refused_naming_the_limit(
@@ -358,21 +356,21 @@ def test_a_gated_pod_past_the_limits_is_refused_naming_the_limit(
     without the gate is none of weightcache's business and is admitted."""
     ns, name = scene.namespace, scene.name
     attack = labelled_pod(ns, "oversized", name, scene.node)
-    attack["metadata"]["labels"] = attack_labels(2700)
+    attack["metadata"]["labels"] = oversized_labels(2700)
     attack["spec"]["nodeSelector"] = {"no-such-node": "anywhere"}
     attack["spec"]["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
     error = refused(api, attack)
     assert error.status == 400, error.body
     assert f"over the limit of {podlimits.LIMITS.labels} labels" in error.body
     one_label = labelled_pod(ns, "oversized-one-label", name, scene.node)
-    one_label["metadata"]["labels"].update(attack_labels(podlimits.LIMITS.labels))
+    one_label["metadata"]["labels"].update(oversized_labels(podlimits.LIMITS.labels))
     assert f"over the limit of {podlimits.LIMITS.labels}" in refused(api, one_label).body
     bindings = labelled_pod(ns, "many-bindings", name, scene.node)
     bindings["metadata"]["annotations"] = {f"{names.BINDING_PREFIX}x{i}": "a" * 64
                                            for i in range(200)}
     assert "(one per WeightCache that gates the pod)" in refused(api, bindings).body
     ungated = labelled_pod(ns, "ungated", name, scene.node)
-    ungated["metadata"]["labels"] = attack_labels(2700)
+    ungated["metadata"]["labels"] = oversized_labels(2700)
     assert create(api, ungated).spec.readiness_gates is None
 
 
@@ -391,7 +389,7 @@ def test_past_the_limits_after_admission_or_unlabelled_the_gate_closes_saying_wh
     for pod in ("grows", "unlabelled", "renamed"):
         eventually(f"{pod}'s gate opens", lambda pod=pod: gate_of(
             api.core.read_namespaced_pod(pod, ns)) == ("True", "WeightsResident"))
-    api.core.patch_namespaced_pod("grows", ns, {"metadata": {"labels": attack_labels(200)}})
+    api.core.patch_namespaced_pod("grows", ns, {"metadata": {"labels": oversized_labels(200)}})
     eventually("the grown pod's gate closes naming the limit", lambda: gate_of(
         api.core.read_namespaced_pod("grows", ns)) == ("False", podlimits.OVER_LIMITS))
     condition = next(c for c in api.core.read_namespaced_pod("grows", ns).status.conditions
@@ -430,3 +428,33 @@ def test_admitting_a_pod_twice_adds_nothing_twice(scene: Scene, api: Api) -> Non
         assert pod.spec.security_context.supplemental_groups == [65533]
         (container,) = pod.spec.containers
         assert len([e for e in container.env if e.name == inject.CACHE_ENV]) == 1
+
+
+def test_a_gated_pod_the_watch_cannot_see_is_closed_when_the_operator_starts(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """A pod whose watch label went while the operator was down (or one admitted before the
+    label existed, gate opened by an older operator): the new operator's watch never sees
+    it, so at start it looks such pods up by each cache's selector and the one-label form,
+    and closes their open gates (NotWatched), never leaving them reported resident."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    create(api, labelled_pod(ns, "one-label", name, scene.node))
+    selected = labelled_pod(ns, "selected", name, scene.node)
+    selected["metadata"]["labels"] = {"app": f"{name}-engine"}
+    selected["spec"]["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+    create(api, selected)
+    scene.start_daemon()
+    for pod in ("one-label", "selected"):
+        eventually(f"{pod}'s gate opens", lambda pod=pod: gate_of(
+            api.core.read_namespaced_pod(pod, ns)) == ("True", "WeightsResident"))
+    operator.stop()
+    try:
+        for pod in ("one-label", "selected"):
+            api.core.patch_namespaced_pod(pod, ns, {"metadata": {"labels": {
+                names.GATED_LABEL: None}}})
+    finally:
+        operator.start()
+    for pod in ("one-label", "selected"):
+        eventually(f"{pod}'s gate is closed at the operator's start", lambda pod=pod: gate_of(
+            api.core.read_namespaced_pod(pod, ns)) == ("False", "NotWatched"))
