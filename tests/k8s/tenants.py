@@ -122,14 +122,27 @@ def operator_memory(stack: Stack, pod: k8s.V1Pod) -> Memory:
     status = dict(line.split(":", 1) for line in
                   Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     kib = {k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
-    (line,) = [x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-               if x.startswith("0::")]
-    cgroup = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-    events = dict(x.split() for x in (cgroup / "memory.events").read_text().splitlines())
-    limit = (cgroup / "memory.max").read_text().strip()
-    return Memory(kib["VmRSS"], kib["VmHWM"], int((cgroup / "memory.current").read_text()),
-                  int((cgroup / "memory.peak").read_text()),
-                  int(limit) if limit != "max" else 0, int(events.get("oom_kill", 0)))
+    return Memory(kib["VmRSS"], kib["VmHWM"], *cgroup_memory(pid))
+
+
+def cgroup_memory(pid: int) -> tuple[int, int, int, int]:
+    """(current, peak, limit, OOM kills) of the process's memory cgroup, v1 or v2."""
+    paths = {controllers: path for _, controllers, path in (
+        line.split(":", 2) for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines())}
+    v1 = next((path for controllers, path in paths.items()
+               if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        base = Path("/sys/fs/cgroup/memory") / v1.lstrip("/")
+        control = dict(x.split() for x in (base / "memory.oom_control").read_text().splitlines())
+        return (int((base / "memory.usage_in_bytes").read_text()),
+                int((base / "memory.max_usage_in_bytes").read_text()),
+                int((base / "memory.limit_in_bytes").read_text()),
+                int(control.get("oom_kill", 0)))
+    base = Path("/sys/fs/cgroup") / paths[""].lstrip("/")
+    events = dict(x.split() for x in (base / "memory.events").read_text().splitlines())
+    limit = (base / "memory.max").read_text().strip()
+    return (int((base / "memory.current").read_text()), int((base / "memory.peak").read_text()),
+            int(limit) if limit != "max" else 0, int(events.get("oom_kill", 0)))
 
 
 def restarts(pod: k8s.V1Pod) -> int:
