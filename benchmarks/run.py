@@ -362,6 +362,8 @@ def main() -> int:
                         help="scale: run the operator from this checkout (e.g. a baseline)")
     parser.add_argument("--scale-skip-waves", default="",
                         help="scale: comma-separated waves to leave out (degrade, spec, ...)")
+    parser.add_argument("--scale-unrelated-pods", type=int, default=0,
+                        help="scale: pods of other workloads made before the operator starts")
     parser.add_argument("--scale-wave-timeout", type=float, default=1200.0,
                         help="scale: seconds a wave may take to converge before it is recorded "
                              "as not converged")
@@ -372,6 +374,7 @@ def main() -> int:
         scale.suite, sizes=[int(n) for n in args.scale_nodes.split(",") if n.strip()],
         operator_src=args.scale_operator_src, wave_timeout=args.scale_wave_timeout,
         skip_waves=tuple(w for w in args.scale_skip_waves.split(",") if w.strip()),
+        unrelated_pods=args.scale_unrelated_pods,
     )}
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     unknown = set(suites) - set(suites_table)

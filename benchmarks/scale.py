@@ -92,6 +92,7 @@ OPERATOR_NAMESPACE = "wc-system"
 OPERATOR_ACCOUNT = "weightcache-operator"
 CACHE = "llama"
 ENGINE_APP = "fleet-engine"
+UNRELATED = "unrelated"
 SOCKET_ROOT = "/var/run/weightcache"
 MODEL_ROOT = "/models"
 # One TP-8 shard of a 70B bf16 checkpoint.
@@ -127,6 +128,9 @@ class Options:
     # Waves left out (of degrade, spec, bind, model, rollback, nodebynode; the model waves
     # need bind).
     skip_waves: tuple[str, ...] = ()
+    # Pods that are none of weightcache's business, made before the operator starts (issue
+    # 43: its memory must grow with our pods only).
+    unrelated_pods: int = 0
 
 
 # --------------------------------------------------------------------------- expectations (pure)
@@ -393,9 +397,28 @@ class FleetRun:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda n: self.api.request(
                 "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", engine_pod(n)), self.nodes))
+        if o.unrelated_pods:
+            self.create_unrelated_pods(o.unrelated_pods)
         self.daemons = Daemons(cluster, self.api, OPERATOR_NAMESPACE, DAEMON_SA, o.writers)
         self.watch = FleetWatch(self.api, self.view)
         self.watch.start()
+
+    def create_unrelated_pods(self, count: int) -> None:
+        """`count` pods of other workloads in a namespace of their own, bound to a node that
+        does not exist: they stay Pending, costing no scheduler and no kwok work, and are
+        listed and watched like any pod."""
+        self.api.request("POST", "/api/v1/namespaces", {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": UNRELATED}})
+        self._until("the unrelated namespace's default ServiceAccount",
+                    lambda: self.api.request(
+                        "GET", f"/api/v1/namespaces/{UNRELATED}/serviceaccounts/default",
+                        ok=(404,)).__class__ is dict, 120)
+        say(f"creating {count} unrelated pods")
+        started = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda i: self.api.request(
+                "POST", f"/api/v1/namespaces/{UNRELATED}/pods", unrelated_pod(i)), range(count)))
+        say(f"created {count} unrelated pods in {time.monotonic() - started:.0f} s")
 
     def close(self) -> None:
         if self.watch is not None:
@@ -963,12 +986,41 @@ def weightcache(gpus: int, revision: str, max_unavailable: int | str) -> dict[st
     }
 
 
+def unrelated_pod(i: int) -> dict[str, Any]:
+    """A pod of another team's Deployment (~2 KB, as such pods come), never scheduled."""
+    app = f"web-{i % 500:03d}"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{app}-7d9f8c6b5-{i:06d}",
+            "labels": {"app": app, "pod-template-hash": "7d9f8c6b5",
+                       "app.kubernetes.io/name": app, "app.kubernetes.io/instance": "prod",
+                       "app.kubernetes.io/managed-by": "Helm", "team": f"team-{i % 40}"},
+            "annotations": {"kubectl.kubernetes.io/restartedAt": "2026-01-01T00:00:00Z",
+                            "prometheus.io/scrape": "true", "prometheus.io/port": "9090"},
+        },
+        "spec": {
+            "nodeName": "unrelated-nowhere",
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "web", "image": f"registry.example/{app}:1.2.3",
+                "ports": [{"containerPort": 8080, "name": "http"}],
+                "env": [{"name": f"SETTING_{k}", "value": f"value-{k}-{i % 7}"}
+                        for k in range(8)],
+                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+            }],
+        },
+    }
+
+
 def engine_pod(node: str) -> dict[str, Any]:
     """One engine per node, bound to it, held unready by the weights gate."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"engine-{node}", "labels": {"app": ENGINE_APP}},
+        "metadata": {"name": f"engine-{node}",
+                     "labels": {"app": ENGINE_APP, names.GATED_LABEL: names.GATED_VALUE}},
         "spec": {
             "nodeName": node,
             "readinessGates": [{"conditionType": names.GATE_CONDITION}],

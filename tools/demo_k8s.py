@@ -5,8 +5,8 @@
    containerd + runc beside one kwok node);
 2. `helm install`s charts/weightcache-operator into `weightcache-system` (the
    one namespace at Pod Security `privileged`): the operator (in its own
-   image, serving the one-label webhook), the `weightcache.dev` CSI driver and
-   its node plugin;
+   image), the webhook (a Deployment of its own, the same image), the
+   `weightcache.dev` CSI driver and its node plugin;
 3. in a namespace at Pod Security `restricted`, applies
    crds/examples/minilm-cpu.yaml (adapted: namespace, node, model path) and an
    engine Deployment whose pods carry one label, `weightcache.dev/cache:
@@ -172,9 +172,10 @@ class Demo:
         out = self.cluster.helm("install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
                                 "--values", str(values)).stdout
         print(out.split("NOTES:")[0].strip())
-        wait_for("the operator pod", lambda: self.get(
-            "deployment", "-n", SYSTEM_NS, f"{RELEASE}-weightcache-operator")["status"].get(
-            "availableReplicas"))
+        for deployment in ("weightcache-operator", "weightcache-operator-webhook"):
+            wait_for(f"the {deployment} pods", lambda deployment=deployment: self.get(
+                "deployment", "-n", SYSTEM_NS, f"{RELEASE}-{deployment}")["status"].get(
+                "availableReplicas"))
         print(self.kubectl("get", "pods", "-n", SYSTEM_NS, "-o", "wide"), end="")
 
     def apply_cache_and_engines(self) -> None:

@@ -3,9 +3,9 @@
 `labelled_engine_deployment`: the one-label engine (the webhook and the CSI
 driver do the rest), as docs/engine-pod.md shows first. `engine_deployment`:
 the hostPath fallback, docs/engine-pod.md's additions to an engine Deployment,
-with the image of
-examples/minilm-engine.Dockerfile: the readiness gate with `maxUnavailable:
-0`, the cache's socket directory mounted read-only and its `engines/`
+with the image of examples/minilm-engine.Dockerfile: the readiness gate with
+`maxUnavailable: 0` and the label `weightcache.dev/gated: "true"` the operator
+watches, the cache's socket directory mounted read-only and its `engines/`
 hand-back directory writable (re-adoption), a uid of the engine's own in the
 daemon's group, the daemon's uid pinned (`WEIGHTCACHE_DAEMON_UIDS`: the
 engine refuses any other listener before mapping anything), and the
@@ -20,6 +20,9 @@ from typing import Any
 
 GATE_CONDITION = "weightcache.dev/weights-resident"
 CACHE_LABEL = "weightcache.dev/cache"
+# The label the operator's watch of engine pods selects: a pod gated by a cache's selector
+# carries it itself where no webhook adds it (the webhook adds it to every gated pod).
+GATED_LABEL = "weightcache.dev/gated"
 ENGINE_UID = 1000
 # The engine's HTTP port (GET /embed?s=<i>, /reference; examples/minilm_engine_pod.py).
 HTTP_PORT = 8080
@@ -121,7 +124,8 @@ def engine_deployment(
             },
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": {**(labels or {}), **selector, "version": version}},
+                "metadata": {"labels": {**(labels or {}), **selector, GATED_LABEL: "true",
+                                        "version": version}},
                 "spec": pod,
             },
         },

@@ -10,6 +10,7 @@
 | files/operator-daemon-namespace-rules.yaml | rbac.OPERATOR_DAEMON_NAMESPACE_RULES   |
 | files/operator-migration-rules.yaml     | rbac.OPERATOR_MIGRATION_RULES             |
 | files/csi-rules.yaml                    | rbac.CSI_PLUGIN_RULES                     |
+| files/webhook-rules.yaml                | rbac.WEBHOOK_RULES                        |
 | files/daemon-rules.yaml                 | weightcache_operator.rbac.DAEMON_RULES    |
 
 The chart's templates include the rule files (`.Files.Get`), so the rules the
@@ -51,6 +52,8 @@ def generated() -> dict[Path, str]:
         rbac.DAEMON_RULES, "weightcache_operator.rbac.DAEMON_RULES")
     files[CHART / "files" / "csi-rules.yaml"] = _rules(
         rbac.CSI_PLUGIN_RULES, "weightcache_operator.rbac.CSI_PLUGIN_RULES")
+    files[CHART / "files" / "webhook-rules.yaml"] = _rules(
+        rbac.WEBHOOK_RULES, "weightcache_operator.rbac.WEBHOOK_RULES")
     return files
 
 

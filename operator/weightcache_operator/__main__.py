@@ -1,8 +1,11 @@
-"""`python -m weightcache_operator run`: run the operator.
+"""`python -m weightcache_operator run`: run the operator; `... webhook`: serve the webhook.
 
     python -m weightcache_operator run [--metrics-port 8080]
         [--liveness http://0.0.0.0:8081/healthz]
-        [--webhook-port 9443 --webhook-cert tls.crt --webhook-key tls.key]
+    python -m weightcache_operator webhook --port 9443 --cert tls.crt --key tls.key
+
+The two run apart (the chart's operator Deployment and webhook Deployment), so
+that admission does not depend on the operator being up (webhook.py).
 
 Credentials come from the pod's ServiceAccount in a cluster, else $KUBECONFIG.
 What WeightCaches may ask for (images, host paths, transports) comes from
@@ -32,14 +35,6 @@ def _run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     memo = kopf.Memo(policy=policy)
-    if args.webhook_port:
-        if not (args.webhook_cert and args.webhook_key):
-            print("weightcache-operator: --webhook-port needs --webhook-cert and --webhook-key",
-                  file=sys.stderr)
-            return 2
-        from .webhook import WebhookConfig  # importing registers the handler
-
-        memo.webhook = WebhookConfig(args.webhook_port, args.webhook_cert, args.webhook_key)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     kopf.run(
@@ -48,6 +43,17 @@ def _run(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness or None,
         memo=memo,
     )
+    return 0
+
+
+def _webhook(args: argparse.Namespace) -> int:
+    from .webhook import WebhookConfig, run
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    run(WebhookConfig(args.port, args.cert, args.key, args.address))
     return 0
 
 
@@ -61,12 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--metrics-addr", default="0.0.0.0")
     run.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                      help="kopf liveness endpoint URL; empty disables")
-    run.add_argument("--webhook-port", type=int, default=0,
-                     help="serve the one-label pod webhook (HTTPS) on this port; 0 disables")
-    run.add_argument("--webhook-cert", default="", help="the webhook's certificate (PEM)")
-    run.add_argument("--webhook-key", default="", help="the webhook's private key (PEM)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=_run)
+    hook = sub.add_parser("webhook", help="serve the mutating admission webhook (HTTPS)")
+    hook.add_argument("--port", type=int, default=9443)
+    hook.add_argument("--address", default="0.0.0.0")
+    hook.add_argument("--cert", required=True, help="the serving certificate (PEM)")
+    hook.add_argument("--key", required=True, help="its private key (PEM)")
+    hook.add_argument("-v", "--verbose", action="store_true")
+    hook.set_defaults(func=_webhook)
     args = parser.parse_args(argv)
     return args.func(args)
 

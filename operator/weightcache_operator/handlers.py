@@ -4,6 +4,13 @@ The indices hold small views of everything the decisions need; kopf fills
 them completely before any handler runs, so a restarted operator judges from
 the full picture and rewrites nothing that is already right. The passes
 themselves live in reconcile.py, the decisions in the pure modules.
+
+Every watch is filtered by the apiserver: kopf's pod watch selects the daemon
+labels (`settings.watching.label_selectors`), and engine pods come through a
+watch of their own (podwatch.py), selecting `weightcache.dev/gated=true`; no
+other pod of the cluster reaches the operator. Its index is whole before
+kopf starts (the start-up handler lists it), and its changes are judged only
+once kopf's indices are filled (the first node event says so).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import kopf
 
 from weightcache.kubeclient import api_client
 
-from . import names, views
+from . import metrics, names, podwatch, views
 from .kube import Kube
 from .policy import policy_from_env
 from .reconcile import Reconciler
@@ -28,17 +35,21 @@ DAEMON_LABELS = {
     names.MANAGED_BY_LABEL: names.MANAGER,
     names.COMPONENT_LABEL: names.DAEMON_COMPONENT,
 }
+# kopf's one watch of pods, at the apiserver: the daemon pods, nothing else.
+DAEMON_POD_SELECTOR = ",".join(f"{k}={v}" for k, v in sorted(DAEMON_LABELS.items()))
+KOPF_INDICES = ("wc_caches", "wc_daemonsets", "wc_daemon_pods", "wc_nodes")
 RESYNC_SECONDS = 30.0
 SHUTDOWN_FLUSH_SECONDS = 5.0
 
 
 def state_of(memo: kopf.Memo, kwargs: dict[str, Any]) -> State:
-    """The indices kopf passes every handler, by their function names below."""
+    """The indices kopf passes every handler, by their function names below, and the
+    engine pods' (podwatch.py)."""
     return State(
         kwargs["wc_caches"],
         kwargs["wc_daemonsets"],
         kwargs["wc_daemon_pods"],
-        kwargs["wc_engine_pods"],
+        memo.engine_pods.index,
         kwargs["wc_nodes"],
         memo.reconciler.policy.daemon_namespace or "",
     )
@@ -76,14 +87,6 @@ def wc_daemon_pods(
     return {(view.cache_namespace, view.cache, view.node): view}
 
 
-@kopf.index("v1", "pods", when=lambda body, **_: views.has_gate(body))
-def wc_engine_pods(
-    body: kopf.Body, namespace: str, **_: Any
-) -> dict[tuple[str, str | None], views.EnginePodView]:
-    view = views.engine_pod_view(body)
-    return {(namespace, view.node): view}
-
-
 @kopf.index("v1", "nodes")
 def wc_nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, views.NodeView]:
     return {name: views.node_view(body)}
@@ -107,18 +110,34 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    if "webhook" in memo:
-        # The chart owns the MutatingWebhookConfiguration: kopf only serves (webhook.py).
-        settings.admission.server = memo.webhook.server()
-        settings.admission.managed = None
+    settings.watching.label_selectors["v1", "pods"] = DAEMON_POD_SELECTOR
     if "reconciler" not in memo:
         policy = memo.policy if "policy" in memo else policy_from_env()
         memo.reconciler = Reconciler(Kube(api_client()), policy, os.getuid())
 
 
+@kopf.on.startup()
+async def watch_engine_pods(memo: kopf.Memo, **kwargs: Any) -> None:
+    """List the engine pods before kopf starts its watches, so that no handler ever sees
+    their index half filled; keep watching them from then on."""
+    indices = {name: kwargs[name] for name in KOPF_INDICES}
+    memo.indices = indices
+
+    async def judge(change: podwatch.Change) -> None:
+        await engine_pod_changed(memo, state_of(memo, indices), change)
+
+    from kubernetes import client
+
+    memo.engine_pods = podwatch.EnginePodWatch(client.CoreV1Api(api_client()), judge)
+    await memo.engine_pods.start()
+    metrics.ENGINE_PODS.set_function(lambda: memo.engine_pods.index.pods)
+
+
 @kopf.on.cleanup()
 async def flush_writes(memo: kopf.Memo, **_: Any) -> None:
     """On shutdown, make the coalesced writes still due (bounded: the apiserver may be gone)."""
+    if "engine_pods" in memo:
+        memo.engine_pods.stop()
     if "reconciler" in memo:
         try:
             await asyncio.wait_for(memo.reconciler.flush(), timeout=SHUTDOWN_FLUSH_SECONDS)
@@ -193,15 +212,36 @@ async def daemon_pod_event(
         await memo.reconciler.apply_daemonset(state, cache)
 
 
-@kopf.on.event("v1", "pods", when=lambda body, **_: views.has_gate(body))
-async def engine_pod_event(
-    event: kopf.RawEvent, namespace: str, name: str, uid: str, spec: kopf.Spec,
-    memo: kopf.Memo, **kwargs: Any,
-) -> None:
-    state = state_of(memo, kwargs)
-    if event["type"] == "DELETED":
-        memo.reconciler.forget_pod(uid)
-    else:
-        await memo.reconciler.engine_pod(state, namespace, name, spec.get("nodeName"))
+@kopf.on.event("v1", "nodes", when=lambda memo, **_: not memo.engine_pods.judging)
+async def indices_filled(memo: kopf.Memo, **_: Any) -> None:
+    """kopf runs event handlers only once every index is filled: engine pods may now be
+    judged. Once: the first node event; then the gated pods the watch cannot see (no
+    label: admitted before it existed, or its label removed while the operator was down)
+    have any open gate closed."""
+    if memo.engine_pods.judging:
+        return
+    memo.engine_pods.judge()
+    state = state_of(memo, memo.indices)
+    queries = podwatch.unwatched_queries(
+        (c.namespace, parsed[0].engine.selector) for c in state.live_caches()
+        if not isinstance(parsed := memo.reconciler.parsed(c), Exception))
+    for pod in await asyncio.to_thread(memo.engine_pods.unwatched_open, queries):
+        await memo.reconciler.close_unwatched_gate(pod)
+
+
+async def engine_pod_changed(memo: kopf.Memo, state: State, change: podwatch.Change) -> None:
+    """One engine pod came, changed, or left the watch (podwatch.py)."""
+    if change.view is None:
+        gone = change.gone
+        assert gone is not None
+        if not gone.terminating:
+            # Deleted at once, or its label removed: the operator no longer sees it, so it
+            # must not stay reported resident (a no-op for a pod that is gone).
+            await memo.reconciler.close_unwatched_gate(gone)
+        memo.reconciler.forget_pod(change.uid)
+        memo.reconciler.engine_pods_changed(state, gone)
+        return
+    view = change.view
+    await memo.reconciler.engine_pod(state, view.namespace, view.name, view.node)
     # The caches' statuses count engine pods per generation (coalesced, like reports).
-    memo.reconciler.engine_pods_changed(state, views.engine_pod_view(event["object"]))
+    memo.reconciler.engine_pods_changed(state, view)

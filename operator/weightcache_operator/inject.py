@@ -24,20 +24,26 @@ what is missing, so a second admission changes nothing:
 
 A label naming a cache that does not exist, or one the pod's namespace may
 not use, is refused (`Refused`), never passed through ungated.
+
+Every pod the webhook admits gated (one-label, or listing the gate itself: a
+selector-gated pod) also gets the label `weightcache.dev/gated=true`, which
+the operator's watch selects at the apiserver; and every such pod past the
+limits of what the operator keeps (podlimits.py) is refused, naming the limit.
+`admit` decides it all for one AdmissionReview request; `json_patch` writes it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import names
+from . import names, podlimits
 from .gate import InvalidBinding, bound_generation
 from .render import CONTAINER_SOCKET_ROOT
 from .spec import DNS_LABEL_RE, DNS_SUBDOMAIN_RE, SpecError, parse_spec, spec_hash
-from .views import CacheView
+from .views import CacheView, has_gate
 
 VOLUME = "weightcache-sockets"
 SOCKET_DIR_ENV = "WEIGHTCACHE_SOCKET_DIR"
@@ -173,3 +179,77 @@ def mutated_spec(pod_spec: Mapping[str, Any], injection: Injection) -> dict[str,
     if injection.daemon_gid not in groups:
         groups.append(injection.daemon_gid)
     return spec
+
+
+def gated(labels: Mapping[str, str], spec: Mapping[str, Any]) -> bool:
+    """Whether the pod is one the operator gates: it lists the gate, asks for a cache by the
+    label, or carries the label the operator's watch selects. The chart's third webhook
+    entry sends the first and last kinds (matchConditions), the other two the second."""
+    return (has_gate({"spec": spec}) or asks(labels)
+            or labels.get(names.GATED_LABEL) is not None)
+
+
+def check_limits(labels: Mapping[str, str], annotations: Mapping[str, str]) -> None:
+    """`Refused` (400) naming the limit a gated pod passes (podlimits.py)."""
+    problem = podlimits.violation(labels, annotations)
+    if problem is not None:
+        raise Refused(f"refused: {problem}", 400)
+
+
+ReadCache = Callable[[str, str], Awaitable["CacheView | None"]]
+
+
+async def admit(request: Mapping[str, Any], read_cache: ReadCache) -> list[dict[str, Any]]:
+    """The JSON patch for one AdmissionReview request, or `Refused`.
+
+    A pod the operator does not gate, a daemon pod (labelled with the cache and both daemon
+    labels, never sent), or anything but a pod CREATE passes unchanged. A gated pod past
+    the limits is refused before anything is read.
+    """
+    kind = (request.get("kind") or {}).get("kind")
+    if kind != "Pod" or request.get("operation") != "CREATE":
+        return []
+    pod = request.get("object") or {}
+    meta = pod.get("metadata") or {}
+    labels = dict(meta.get("labels") or {})
+    annotations = dict(meta.get("annotations") or {})
+    spec = dict(pod.get("spec") or {})
+    namespace = str(request.get("namespace") or meta.get("namespace") or "")
+    if not gated(labels, spec) or (names.CACHE_LABEL in labels and not asks(labels)):
+        return []  # not a gated pod, or a daemon pod (never sent: the DaemonSet's own)
+    marked = {**labels, names.GATED_LABEL: names.GATED_VALUE}
+    check_limits(marked, annotations)
+    added_labels = ({} if labels.get(names.GATED_LABEL) == names.GATED_VALUE
+                    else {names.GATED_LABEL: names.GATED_VALUE})
+    if not asks(labels):
+        return json_patch(meta, spec, added_labels, {}, spec)
+    want = wanted(namespace, labels, annotations)
+    cache = await read_cache(want.namespace, want.name)
+    injection = decide(namespace, want, cache)
+    bindings = added_annotations(annotations, injection)
+    check_limits(marked, {**annotations, **bindings})
+    return json_patch(meta, spec, added_labels, bindings, mutated_spec(spec, injection))
+
+
+def _pointer(key: str) -> str:
+    """One JSON-pointer segment (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def json_patch(meta: Mapping[str, Any], spec: Mapping[str, Any], labels: Mapping[str, str],
+               annotations: Mapping[str, str], new_spec: Mapping[str, Any]
+               ) -> list[dict[str, Any]]:
+    """JSON patch operations adding `labels` and `annotations` to the pod's metadata and
+    setting each top-level field of `new_spec` that differs from `spec`."""
+    ops: list[dict[str, Any]] = []
+    for part, added in (("labels", labels), ("annotations", annotations)):
+        if not added:
+            continue
+        if not meta.get(part):
+            ops.append({"op": "add", "path": f"/metadata/{part}", "value": dict(added)})
+            continue
+        ops.extend({"op": "add", "path": f"/metadata/{part}/{_pointer(k)}", "value": v}
+                   for k, v in added.items())
+    ops.extend({"op": "add", "path": f"/spec/{_pointer(k)}", "value": v}
+               for k, v in new_spec.items() if spec.get(k) != v)
+    return ops

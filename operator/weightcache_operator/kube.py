@@ -101,11 +101,14 @@ class Kube:
         )
 
     async def set_pod_condition(self, namespace: str, name: str,
-                                condition: Mapping[str, Any]) -> None:
-        # Strategic merge keys pod conditions by type: other conditions stay.
+                                condition: Mapping[str, Any], uid: str | None = None) -> None:
+        # Strategic merge keys pod conditions by type: other conditions stay. With `uid`,
+        # only that pod: a uid is immutable, so a newer pod of the name refuses the patch.
+        patch: dict[str, Any] = {"status": {"conditions": [dict(condition)]}}
+        if uid:
+            patch["metadata"] = {"uid": uid}
         await asyncio.to_thread(
-            self.core.patch_namespaced_pod_status,
-            name, namespace, {"status": {"conditions": [dict(condition)]}},
+            self.core.patch_namespaced_pod_status, name, namespace, patch,
             _content_type=STRATEGIC,
         )
 

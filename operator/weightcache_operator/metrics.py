@@ -34,6 +34,10 @@ RESIDENT_BYTES = Gauge(
     "Verified resident weight bytes across all nodes, per WeightCache.",
     ["namespace", "cache"],
 )
+ENGINE_PODS = Gauge(
+    "weightcache_operator_engine_pods",
+    "Engine pods the operator watches (labelled weightcache.dev/gated=true and gated).",
+)
 _PER_CACHE = (READY_NODES, DESIRED_NODES, RESIDENT_BYTES)
 
 

@@ -15,6 +15,12 @@ NODE_LABEL_PREFIX = f"{GROUP}/"
 NODE_LABEL_READY = "Ready"
 
 CACHE_LABEL = f"{GROUP}/cache"
+# Every engine pod the operator gates carries this label: its watch of engine pods selects
+# on it at the apiserver, so pods without it never reach the operator (nor count for its
+# memory). The webhook adds it to each pod it admits; a selector-gated pod admitted without
+# the webhook must carry it in its template.
+GATED_LABEL = f"{GROUP}/gated"
+GATED_VALUE = "true"
 # An engine pod's binding to the weights it runs, per cache: the spec hash of the cache's
 # generation (binding_key). The webhook writes it at admission where the pod has none.
 BINDING_PREFIX = f"weights.{GROUP}/"

@@ -21,7 +21,8 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     # the move to the daemon namespace); written only where OPERATOR_DAEMON_NAMESPACE_RULES
     # grant it.
     {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["list", "watch"]},
-    # Daemon pods (reports) and engine pods (readiness gates).
+    # Daemon pods (reports) and engine pods (readiness gates), each watch selecting its pods
+    # by label at the apiserver.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     # A NodeByNode model rollout evicts a node's engine pods bound to an older generation,
@@ -50,6 +51,13 @@ OPERATOR_MIGRATION_RULES: list[dict[str, Any]] = [
 # or one annotation: the chart's report guard (ValidatingAdmissionPolicy) does.
 DAEMON_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
+]
+
+
+# The webhook (its own Deployment and ServiceAccount, webhook.py) reads the WeightCache a
+# pod's label names at each admission: a list by name, a quorum read. Nothing else.
+WEBHOOK_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "verbs": ["list"]},
 ]
 
 

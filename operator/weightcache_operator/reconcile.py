@@ -38,7 +38,7 @@ from kubernetes.client.exceptions import ApiException
 
 from weightcache.report import rfc3339_now
 
-from . import aggregate, gate, metrics, names, nodes, render, rollout, views
+from . import aggregate, gate, metrics, names, nodes, podlimits, render, rollout, views
 from .coalesce import Coalescer
 from .kube import api_message
 from .locks import KeyedLocks
@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # A gate whose decision could not be computed stays closed, with this reason.
 EVALUATION_FAILED = "EvaluationFailed"
+# An engine pod that left the operator's watch without being deleted (its
+# `weightcache.dev/gated` label removed): nothing it does is seen any more.
+NOT_WATCHED = "NotWatched"
 # Memoised parses and renders kept, per (uid, generation), before starting afresh.
 MEMO_LIMIT = 4096
 # Node verdicts kept (per cache, node and generation wanted) before starting afresh.
@@ -81,7 +84,8 @@ class Kube(Protocol):
                                    status: Mapping[str, Any]) -> None: ...
 
     async def set_pod_condition(self, namespace: str, name: str,
-                                condition: Mapping[str, Any]) -> None: ...
+                                condition: Mapping[str, Any], uid: str | None = None
+                                ) -> None: ...
 
     async def patch_node_labels(self, node: str, labels: Mapping[str, str | None]) -> None: ...
 
@@ -393,7 +397,10 @@ class Reconciler:
                 return
             metrics.RECONCILES.labels("engine_pod").inc()
             try:
-                decision = gate.gate_condition(pod.node, self._engine_verdicts(state, pod, exclude))
+                decision = (
+                    views.Condition("False", podlimits.OVER_LIMITS, pod.over_limits)
+                    if pod.over_limits else
+                    gate.gate_condition(pod.node, self._engine_verdicts(state, pod, exclude)))
             except Exception as exc:  # fail closed: an undecidable gate is a closed gate
                 log.exception("deciding the gate of pod %s/%s failed", namespace, name)
                 metrics.ERRORS.labels("engine_pod").inc()
@@ -447,6 +454,30 @@ class Reconciler:
     def forget_pod(self, uid: str) -> None:
         """An engine pod is gone: nothing of it is kept."""
         self.gates.forget(uid)
+
+    async def close_unwatched_gate(self, pod: views.EnginePodView) -> None:
+        """A pod left the watch while not terminating: deleted at once, or its
+        `weightcache.dev/gated` label removed. If its gate was open, close it (that pod
+        only, by uid; a deleted one answers 404): the operator no longer sees what it runs."""
+        # What the pod says, or what we wrote that its last event did not show yet.
+        current = self.gates.current(pod.uid, pod.gate, pod.resource_version)
+        if current is None or current.status != "True":
+            return
+        cond = {
+            "type": names.GATE_CONDITION, "status": "False", "reason": NOT_WATCHED,
+            "message": f"the pod lost its label {names.GATED_LABEL}={names.GATED_VALUE}: the "
+                       "operator no longer watches it",
+            "lastTransitionTime": rfc3339_now(),
+        }
+        try:
+            await self.kube.set_pod_condition(pod.namespace, pod.name, cond, uid=pod.uid)
+        except ApiException as exc:
+            # 404: deleted; 409 or 422: a newer pod of that name (another uid).
+            if exc.status not in (404, 409, 422):
+                metrics.ERRORS.labels("engine_pod").inc()
+                raise
+            return
+        log.info("closed the gate of %s/%s: no longer watched", pod.namespace, pod.name)
 
     async def node_label(
         self, state: State, node: str, namespace: str, name: str, exclude: str | None = None

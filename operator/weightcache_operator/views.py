@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 import datetime
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightcache.report import ANNOTATION_PREFIX, MAX_ANNOTATION_BYTES, MAX_DEVICES
 
-from . import names
+from . import names, podlimits
 from .shape import shape_digest
 
 
@@ -68,8 +69,11 @@ class DaemonPodView:
     slots: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EnginePodView:
+    """What the operator keeps of a gated pod: what its gate decision reads, bounded
+    (podlimits.py). One is kept per engine pod the operator watches."""
+
     namespace: str
     name: str
     uid: str
@@ -86,6 +90,9 @@ class EnginePodView:
     # annotations (names.binding_key), as written (gate.bound_generation reads them).
     bindings: Mapping[str, str] = field(default_factory=dict)
     phase: str = "Pending"
+    # Why the pod is past the limits of podlimits.py; then nothing of its labels and
+    # annotations is kept (no cache gates it) and its gate is closed saying this.
+    over_limits: str = ""
 
     @property
     def finished(self) -> bool:
@@ -237,30 +244,51 @@ def has_gate(body: Mapping[str, Any]) -> bool:
 
 
 def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
+    """The bounded view of a gated pod: only what a decision reads, within
+    podlimits.LIMITS; a pod past them keeps its identity and why, nothing else."""
     meta = _meta(body)
     gate = None
     for cond in _conditions(body):
         if cond.get("type") == names.GATE_CONDITION:
             gate = Condition(
                 str(cond.get("status", "")), str(cond.get("reason") or ""),
-                str(cond.get("message") or ""),
+                str(cond.get("message") or "")[:podlimits.MAX_MESSAGE_CHARS],
             )
+    namespace = _interned(meta.get("namespace", ""))
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    over = podlimits.violation(labels, annotations)
+    node = (body.get("spec") or {}).get("nodeName")
+    kept: dict[str, str] = {}
+    bindings: dict[str, str] = {}
+    cache, cache_namespace = "", namespace
+    if over is None:
+        # Interned: the same keys and values recur on every pod of a Deployment.
+        kept = {_interned(k): _interned(v) for k, v in labels.items()}
+        bindings = {_interned(k): _interned(podlimits.cut(annotations[k]))
+                    for k in podlimits.bindings_of(annotations)}
+        cache = kept.get(names.CACHE_LABEL, "")
+        named = annotations.get(names.CACHE_NAMESPACE_LABEL)
+        cache_namespace = _interned(podlimits.cut(named)) if named else namespace
     return EnginePodView(
-        namespace=meta.get("namespace", ""),
-        name=meta["name"],
-        uid=meta.get("uid", ""),
-        labels=dict(meta.get("labels") or {}),
-        node=(body.get("spec") or {}).get("nodeName"),
+        namespace=namespace,
+        name=str(meta["name"]),
+        uid=str(meta.get("uid", "")),
+        labels=kept,
+        node=_interned(node) if node else None,
         gate=gate,
         terminating=meta.get("deletionTimestamp") is not None,
         resource_version=str(meta.get("resourceVersion") or ""),
-        cache=(meta.get("labels") or {}).get(names.CACHE_LABEL, ""),
-        cache_namespace=(meta.get("annotations") or {}).get(names.CACHE_NAMESPACE_LABEL)
-        or meta.get("namespace", ""),
-        bindings={k: str(v) for k, v in (meta.get("annotations") or {}).items()
-                  if k.startswith(names.BINDING_PREFIX)},
-        phase=str((body.get("status") or {}).get("phase") or "Pending"),
+        cache=cache,
+        cache_namespace=cache_namespace,
+        bindings=bindings,
+        phase=_interned(str((body.get("status") or {}).get("phase") or "Pending")),
+        over_limits=over or "",
     )
+
+
+def _interned(value: Any) -> str:
+    return sys.intern(str(value))
 
 
 def daemonset_view(body: Mapping[str, Any]) -> DaemonSetView:

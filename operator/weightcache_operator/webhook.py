@@ -1,27 +1,51 @@
-"""The mutating admission webhook for one-label engine pods, on kopf's admission support.
+"""The mutating admission webhook, served apart from the operator.
 
-`python -m weightcache_operator run --webhook-port 9443 --webhook-cert ... --webhook-key ...`
-imports this module, which registers the handler; kopf serves it over HTTPS
-at `/inject` with the given certificate (the chart's, made by Helm or
-cert-manager; it re-reads the files when they change). The chart owns the
-MutatingWebhookConfiguration (objectSelector on the label, `failurePolicy:
-Fail`), so the operator never writes webhook configurations: kopf's
-`settings.admission.managed` stays off.
+    python -m weightcache_operator webhook --port 9443 --cert tls.crt --key tls.key
 
-What is added, and when a pod is refused, is decided in inject.py (pure).
+The chart runs it as a Deployment of its own (two replicas, a
+PodDisruptionBudget, its own ServiceAccount allowed only to list
+WeightCaches), so an operator that crashes, is OOM-killed or rolls out takes no
+pod creation down with it: admission and reconciliation fail apart. It serves
+`/inject` (AdmissionReview v1, JSON patches) and `/healthz` over HTTPS with the
+chart's certificate (made by Helm or cert-manager), re-read when the files
+change. The chart owns the MutatingWebhookConfiguration; nothing here writes
+webhook configurations.
+
+What is added, and when a pod is refused, is decided in inject.py (pure): the
+cache is read from the apiserver at each admission (a list by name, a quorum
+read), never from a watch. Memory is bounded: a request body of at most
+MAX_REQUEST_BYTES, at most CONCURRENCY requests read at once (the others wait
+unread in their sockets).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
+import logging
+import os
+import signal
+import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import kopf
+from aiohttp import web
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from . import inject, views
+from . import inject, names, views
 
-WEBHOOK_ID = "inject"
+log = logging.getLogger(__name__)
+
+# A pod is at most 1.5 MiB in etcd; an AdmissionReview of a CREATE carries it once.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+CONCURRENCY = 4
+CERT_CHECK_SECONDS = 30.0
+# On SIGTERM, keep answering this long: the Service drops the pod from its endpoints a
+# moment after it starts terminating, and requests routed meanwhile must still be served.
+DRAIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -29,43 +53,117 @@ class WebhookConfig:
     port: int
     certfile: str
     keyfile: str
-
-    def server(self) -> kopf.WebhookServer:
-        return kopf.WebhookServer(addr="0.0.0.0", port=self.port, certfile=self.certfile,
-                                  pkeyfile=self.keyfile)
+    address: str = "0.0.0.0"
 
 
-# No kopf filter on labels: kopf admits a pod that no handler's filters match as it came,
-# so a pod the configuration sends but a filter skipped (once: any `managed-by` but the
-# operator's, such as Helm's) would start ungated. Every pod sent is decided below.
-@kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False)
-async def inject_engine_pod(
-    body: kopf.Body, spec: kopf.Spec, namespace: str, patch: kopf.Patch, memo: kopf.Memo,
-    **_: Any,
-) -> None:
-    meta = body.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    if not inject.asks(labels):
-        return
-    try:
-        want = inject.wanted(namespace, labels, meta.get("annotations") or {})
-        # The apiserver's copy, not the watch's: the pod is bound to the cache's generation
-        # of this moment, and a spec edited a moment ago (one `kubectl apply` of the cache
-        # and its engines) may not have reached the watch yet; a pod bound to the older
-        # one would wait for weights no daemon will hold again.
+class CacheReader:
+    """Reads one WeightCache from the apiserver (a list by name: `list` is the only verb
+    the webhook's account holds)."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.custom = client.CustomObjectsApi(api)
+
+    async def __call__(self, namespace: str, name: str) -> views.CacheView | None:
         try:
-            body = await memo.reconciler.kube.read_cache(want.namespace, want.name)
+            found = await asyncio.to_thread(
+                self.custom.list_namespaced_custom_object,
+                names.GROUP, names.VERSION, namespace, names.PLURAL,
+                field_selector=f"metadata.name={name}", _request_timeout=(5, 10),
+            )
         except ApiException as exc:
-            raise inject.Refused(f"reading WeightCache {want.namespace}/{want.name}: "
-                                 f"{exc.status} {exc.reason}", 503) from None
-        cache = views.cache_view(body) if body is not None else None
-        injection = inject.decide(namespace, want, cache)
-        bindings = inject.added_annotations(meta.get("annotations") or {}, injection)
+            raise inject.Refused(f"reading WeightCache {namespace}/{name}: {exc.status} "
+                                 f"{exc.reason}", 503) from None
+        items = found.get("items") or []
+        return views.cache_view(items[0]) if items else None
+
+
+async def review(body: Mapping[str, Any], read_cache: inject.ReadCache) -> dict[str, Any]:
+    """The AdmissionReview answering `body`."""
+    request = body.get("request") or {}
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
+    try:
+        ops = await inject.admit(request, read_cache)
     except inject.Refused as refused:
-        raise kopf.AdmissionError(str(refused), code=refused.code) from None
-    for key, value in bindings.items():
-        patch.meta.annotations[key] = value
-    current = dict(spec)
-    for key, value in inject.mutated_spec(current, injection).items():
-        if current.get(key) != value:
-            patch.spec[key] = value
+        meta = (request.get("object") or {}).get("metadata") or {}
+        log.info("refused pod %s/%s: %s", request.get("namespace"),
+                 meta.get("name") or meta.get("generateName"), refused)
+        response.update(allowed=False, status={"code": refused.code, "message": str(refused)})
+    else:
+        if ops:
+            response.update(patchType="JSONPatch",
+                            patch=base64.b64encode(json.dumps(ops).encode()).decode())
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "response": response}
+
+
+class WebhookServer:
+    def __init__(self, config: WebhookConfig, read_cache: inject.ReadCache) -> None:
+        self.config = config
+        self.read_cache = read_cache
+        self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._stamps = self._load_certificate()
+
+    def _load_certificate(self) -> tuple[float, float]:
+        self._context.load_cert_chain(self.config.certfile, self.config.keyfile)
+        return (os.stat(self.config.certfile).st_mtime, os.stat(self.config.keyfile).st_mtime)
+
+    async def _inject(self, request: web.Request) -> web.Response:
+        async with self._slots:
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                raise web.HTTPBadRequest(text="not an AdmissionReview") from None
+            return web.json_response(await review(body, self.read_cache))
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app.router.add_post("/inject", self._inject)
+        app.router.add_get("/healthz", self._healthz)
+        return app
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Serve until `stop` is set (then DRAIN_SECONDS more) or cancelled; a renewed
+        certificate is taken up within CERT_CHECK_SECONDS (new connections get it)."""
+        stop = stop or asyncio.Event()
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.address, self.config.port,
+                           ssl_context=self._context)
+        await site.start()
+        log.info("webhook serving on %s:%d", self.config.address, self.config.port)
+        try:
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), CERT_CHECK_SECONDS)
+                except asyncio.TimeoutError:
+                    self._reload_if_renewed()
+            await asyncio.sleep(DRAIN_SECONDS)
+        finally:
+            await runner.cleanup()
+
+    def _reload_if_renewed(self) -> None:
+        try:
+            stamps = (os.stat(self.config.certfile).st_mtime,
+                      os.stat(self.config.keyfile).st_mtime)
+            if stamps != self._stamps:
+                self._stamps = self._load_certificate()
+                log.info("webhook certificate reloaded")
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("webhook certificate not reloaded: %s", exc)
+
+
+def run(config: WebhookConfig) -> None:
+    from weightcache.kubeclient import api_client
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await WebhookServer(config, CacheReader(api_client())).serve(stop)
+
+    asyncio.run(main())

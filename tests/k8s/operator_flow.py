@@ -10,9 +10,11 @@ The Helm chart's tests reuse these with the chart's ServiceAccount.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +54,14 @@ def eventually(what: str, probe: Callable[[], T | None], bound: float = 90.0) ->
             return last
         time.sleep(0.25)
     raise AssertionError(f"never reached: {what} (last probe: {last!r})")
+
+
+def oversized_labels(count: int, tag: str = "") -> dict[str, str]:
+    """`count` valid labels of ~330 bytes each (2,700: the ~900 KB of issue 43's tenant): a
+    DNS-subdomain prefix, a 63-character name, a 63-character value."""
+    prefix = ".".join(c * 60 for c in "xyz")
+    return {f"k{tag}{i:04d}.{prefix}.example/{'n' * 58}{i:05d}": "v" * 63
+            for i in range(count)}
 
 
 def default_service_account(api: Api, namespace: str) -> k8s.V1ServiceAccount:
@@ -142,6 +152,19 @@ def install_operator_account(cluster: Cluster, namespace: str, name: str) -> Pat
     return cluster.service_account_kubeconfig(namespace, name)
 
 
+def install_webhook_account(cluster: Cluster, namespace: str, name: str) -> Path:
+    """The webhook's ServiceAccount + ClusterRole(WEBHOOK_RULES) + binding; its kubeconfig."""
+    role = f"{namespace}-{name}"
+    apply(
+        cluster,
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": name, "namespace": namespace}},
+        rbac.cluster_role(role, rbac.WEBHOOK_RULES),
+        rbac.binding("ClusterRoleBinding", role, "ClusterRole", role, name, namespace),
+    )
+    return cluster.service_account_kubeconfig(namespace, name)
+
+
 def install_daemon_account(cluster: Cluster, namespace: str) -> Path:
     """The reporter's ServiceAccount: patch pods in its namespace only."""
     apply(
@@ -174,9 +197,13 @@ def engine_deployment(namespace: str, cache: str, node: str, version: str,
         "nodeSelector": {"kubernetes.io/hostname": node},
         "containers": [{"name": "engine", "image": f"engine:{version}"}],
     }
-    if gated:
-        pod_spec["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
     labels = {"app": f"{cache}-engine"}
+    marked: dict[str, str] = {}
+    if gated:
+        # Selector-gated, created without the webhook: the pod carries the label the
+        # operator's watch selects itself.
+        pod_spec["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+        marked = {names.GATED_LABEL: names.GATED_VALUE}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -186,7 +213,7 @@ def engine_deployment(namespace: str, cache: str, node: str, version: str,
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": {**labels, "version": version}},
+            "template": {"metadata": {"labels": {**labels, **marked, "version": version}},
                          "spec": pod_spec},
         },
     }
@@ -356,6 +383,49 @@ class OperatorProcess:
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
+
+
+class WebhookProcess:
+    """`python -m weightcache_operator webhook` on loopback, with only the given kubeconfig's
+    rights and the given serving certificate."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path, cert: Path, key: Path) -> None:
+        self.kubeconfig, self.log_path, self.cert, self.key = kubeconfig, log_path, cert, key
+        (self.port,) = free_ports(1)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}/inject"
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv(), env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        log.close()
+        eventually("the webhook listens", self.listening)
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "weightcache_operator", "webhook", "--address",
+                "127.0.0.1", f"--port={self.port}", f"--cert={self.cert}", f"--key={self.key}"]
+
+    def listening(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"webhook exited with {self.proc.returncode}:\n"
+                                 f"{self.log_path.read_text(errors='replace')[-4000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=1):
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.kill()
+        self.proc.wait()
 
 
 class DaemonProcess:

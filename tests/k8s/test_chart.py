@@ -2,6 +2,9 @@
 
 `helm install`, then the operator runs as its own process with the chart's
 ServiceAccount token and nothing else (the chart Deployment's command line),
+and so does the webhook (its Deployment's command line, its account's token;
+the chart's MutatingWebhookConfiguration pointed at it by URL, with a
+certificate for loopback made here),
 and the real daemon (CPU, memfd, MiniLM) reports into its kwok pod with a
 token of the chart's daemon ServiceAccount bound to that pod, as kubelet
 would mount it. The engine rollout is gated as in the operator's end-to-end
@@ -24,8 +27,10 @@ import base64
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from tests.k8s.operator_flow import (
     Api,
     DaemonProcess,
     OperatorProcess,
+    WebhookProcess,
     apply,
     engine_deployment,
     eventually,
@@ -53,9 +59,8 @@ from tests.k8s.operator_flow import (
     template_spec_hash,
     weightcache,
 )
-from tools.testenv import kubeconfig
+from tools.testenv import kubeconfig, pki
 from tools.testenv.cluster import Cluster
-from tools.testenv.procs import free_ports
 from weightcache.client import daemon_status
 from weightcache.report import annotation_key
 from weightcache_operator import names, rbac, render
@@ -81,6 +86,11 @@ class Release:
     fullname: str
     operator_account: str
     daemon_account: str
+    webhook: WebhookProcess | None = None
+
+    @property
+    def webhook_account(self) -> str:
+        return f"{self.fullname}-webhook"
 
 
 def helm(cluster: Cluster, *args: str) -> str:
@@ -105,7 +115,7 @@ def try_get(cluster: Cluster, *args: str) -> Any | None:
 
 
 @pytest.fixture(scope="module")
-def release(cluster: Cluster) -> Iterator[Release]:
+def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
     suffix = uuid.uuid4().hex[:6]
     rel = Release(
         name=f"wc{suffix}", namespace=f"wc-system-{suffix}", cache_namespace=f"wc-cache-{suffix}",
@@ -121,12 +131,69 @@ def release(cluster: Cluster) -> Iterator[Release]:
         "--set",
         "cachePolicy.allowedSidecarImagePrefixes={registry.corp.example,ghcr.io/weightcache/}",
     )
+    rel.webhook = serve_webhook(cluster, rel, tmp_path_factory.mktemp("webhook"))
     yield rel
+    rel.webhook.stop()
     # The uninstall test normally did this; a failed run still leaves a clean cluster.
     if cluster.helm("status", rel.name, "-n", rel.namespace, check=False).returncode == 0:
         helm(cluster, "uninstall", rel.name, "-n", rel.namespace, "--wait")
     cluster.kubectl("delete", "namespace", rel.cache_namespace, rel.namespace, "--wait=false",
                     check=False)
+
+
+class ChartWebhook(WebhookProcess):
+    """The webhook as the chart's Deployment runs it: its command and args, its account's
+    token; only the address, port and certificate are local (the apiserver reaches it by
+    URL on loopback)."""
+
+    def __init__(self, cluster: Cluster, rel: Release, config: Path, log_path: Path,
+                 serving: pki.KeyPair) -> None:
+        deployment = get(cluster, "deployment", "-n", rel.namespace, rel.webhook_account)
+        self.container = deployment["spec"]["template"]["spec"]["containers"][0]
+        super().__init__(config, log_path, serving.cert, serving.key)
+        self.ca: Path | None = None
+
+    def review(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """Its answer to an AdmissionReview creating `pod`, asked directly."""
+        assert self.ca is not None
+        body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                           "request": {"uid": "u", "operation": "CREATE",
+                                       "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                                       "namespace": pod["metadata"]["namespace"],
+                                       "object": pod}}).encode()
+        request = urllib.request.Request(self.url, body,
+                                         {"Content-Type": "application/json"})
+        context = ssl.create_default_context(cafile=str(self.ca))
+        with urllib.request.urlopen(request, context=context, timeout=30) as reply:
+            return json.loads(reply.read())["response"]
+
+    def argv(self) -> list[str]:
+        c = self.container
+        assert c["command"][:3] == ["python", "-m", "weightcache_operator"], c["command"]
+        local = {"--port": str(self.port), "--cert": str(self.cert), "--key": str(self.key)}
+        args = [f"{flag}={local[flag]}" if flag in local else arg
+                for arg in c["args"] for flag in [arg.split("=", 1)[0]]]
+        return [sys.executable, *c["command"][1:], *args, "--address=127.0.0.1"]
+
+
+def serve_webhook(cluster: Cluster, rel: Release, work: Path) -> WebhookProcess:
+    """The chart's webhook, running here under its account, and the chart's webhook
+    configuration pointed at it (kwok runs no containers, so its Deployment's pods serve
+    nothing)."""
+    ca = pki.issue(pki.CertSpec("chart-webhook-test-ca", is_ca=True), work, "ca")
+    serving = pki.issue(pki.CertSpec("127.0.0.1", server=True, ip_addresses=("127.0.0.1",)),
+                        work, "serving", ca=ca)
+    config = token_kubeconfig(cluster, work / "webhook.kubeconfig", rel.namespace,
+                              rel.webhook_account)
+    webhook = ChartWebhook(cluster, rel, config, work / "webhook.log", serving)
+    webhook.ca = ca.cert
+    webhook.start()
+    hooks = get(cluster, "mutatingwebhookconfiguration", rel.fullname)
+    for hook in hooks["webhooks"]:
+        hook["clientConfig"] = {"url": webhook.url,
+                                "caBundle": base64.b64encode(ca.cert.read_bytes()).decode()}
+    kubectl(cluster, "replace", "-f", "-", input=json.dumps(hooks))
+    return webhook
 
 
 def ours(log_line: str, rel: Release) -> bool:
@@ -163,23 +230,11 @@ class ChartOperator(OperatorProcess):
         policy = next(e["value"] for e in self.container["env"]
                       if e["name"] == "WEIGHTCACHE_POLICY")
         super().__init__(config, log_path, json.loads(policy))
-        # The webhook's certificate, as the Deployment mounts it from the chart's Secret.
-        secret = get(cluster, "secret", "-n", rel.namespace, f"{rel.fullname}-webhook-tls")
-        self.tls = log_path.parent / "webhook-tls"
-        self.tls.mkdir(exist_ok=True)
-        for key in ("tls.crt", "tls.key"):
-            (self.tls / key).write_bytes(base64.b64decode(secret["data"][key]))
-        (self.webhook_port,) = free_ports(1)
 
     def argv(self) -> list[str]:
         c = self.container
         assert c["command"][0] == "python", c["command"]
-        local = {"--webhook-port": str(self.webhook_port),
-                 "--webhook-cert": str(self.tls / "tls.crt"),
-                 "--webhook-key": str(self.tls / "tls.key")}
-        args = [f"{flag}={local[flag]}" if flag in local else arg
-                for arg in c["args"] for flag in [arg.split("=", 1)[0]]]
-        return [sys.executable, *c["command"][1:], *args,
+        return [sys.executable, *c["command"][1:], *c["args"],
                 f"--metrics-port={self.metrics_port}", "--metrics-addr=127.0.0.1",
                 f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz"]
 
@@ -594,6 +649,44 @@ def test_the_csi_plugins_one_grant_is_used(
         assert forbidden("get", "weightcaches", "weightcache.dev") in error.details()
     finally:
         cluster.kubectl("delete", "serviceaccount", "-n", rel.namespace, minus, "--wait=false")
+        cluster.kubectl("delete", "wc", "-n", rel.cache_namespace, name, "--wait=false")
+
+
+def test_the_webhooks_one_grant_is_used(
+    cluster: Cluster, release: Release, tmp_path: Path
+) -> None:
+    """The webhook's account holds `list weightcaches` and nothing else: with it, a labelled
+    pod naming a cache is injected; with an account without it, the pod is refused (503)
+    naming the refusal. Its ServiceAccount is not the operator's."""
+    rel = release
+    assert rel.webhook is not None and rel.webhook_account != rel.operator_account
+    installed = get(cluster, "clusterrole", rel.webhook_account)["rules"]
+    assert without(installed, "", "", "") == rbac.WEBHOOK_RULES
+    name = f"hook-{uuid.uuid4().hex[:6]}"
+    apply(cluster, weightcache(rel.cache_namespace, name, cluster.node_names[0]))
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "e", "namespace": rel.cache_namespace,
+                        "labels": {names.CACHE_LABEL: name}},
+           "spec": {"containers": [{"name": "engine", "image": "engine:1"}]}}
+    try:
+        assert rel.webhook.review(pod)["patchType"] == "JSONPatch"
+        minus = f"{rel.webhook_account}-minus"
+        apply(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
+                        "metadata": {"name": minus, "namespace": rel.namespace}})
+        config = token_kubeconfig(cluster, tmp_path / "minus.kubeconfig", rel.namespace, minus)
+        bare = ChartWebhook(cluster, rel, config, tmp_path / "minus.log",
+                            pki.KeyPair(rel.webhook.cert, rel.webhook.key))
+        bare.ca = rel.webhook.ca
+        bare.start()
+        try:
+            answer = bare.review(pod)
+        finally:
+            bare.stop()
+            cluster.kubectl("delete", "serviceaccount", "-n", rel.namespace, minus,
+                            "--wait=false")
+        assert not answer["allowed"] and answer["status"]["code"] == 503
+        assert "403" in answer["status"]["message"], answer
+    finally:
         cluster.kubectl("delete", "wc", "-n", rel.cache_namespace, name, "--wait=false")
 
 
@@ -1036,7 +1129,7 @@ def test_uninstall_leaves_no_operator_objects(cluster: Cluster, release: Release
         assert kubectl(cluster, "get", "daemonsets,serviceaccounts,roles,rolebindings", "-n",
                        namespace, "-o", "name",
                        "-l", "app.kubernetes.io/part-of=weightcache").split() == []
-    names = [rel.fullname, f"{rel.fullname}-daemon-report-guard"]
+    names = [rel.fullname, f"{rel.fullname}-daemon-report-guard", rel.webhook_account]
     for kind in ("clusterrole", "clusterrolebinding", "validatingadmissionpolicy",
                  "validatingadmissionpolicybinding"):
         for name in names:

@@ -217,6 +217,34 @@ def test_readiness_gate_holds_pod_until_pods_status_is_patched(
     eventually("not Ready after the gate was patched back to False", lambda: ready_is("False"))
 
 
+def test_a_status_patch_naming_another_uid_is_refused(
+    k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    """The operator closes an unwatched pod's gate by name and uid (kube.set_pod_condition):
+    a newer pod of that name (a StatefulSet's) must refuse the patch, since a uid cannot
+    change."""
+    core = k8s.CoreV1Api(k8s_api)
+    spec = {"containers": [{"name": "engine", "image": "registry.invalid/engine:1"}]}
+    old = core.create_namespaced_pod(namespace, {"metadata": {"name": "reused"}, "spec": spec})
+    core.delete_namespaced_pod("reused", namespace, grace_period_seconds=0)
+    eventually("the first pod is gone", lambda: not [
+        p for p in core.list_namespaced_pod(namespace).items if p.metadata.name == "reused"])
+    core.create_namespaced_pod(namespace, {"metadata": {"name": "reused"}, "spec": spec})
+    patch = {"metadata": {"uid": old.metadata.uid}, "status": {"conditions": [
+        {"type": GATE, "status": "False", "reason": "Test", "lastTransitionTime": k8s_now()}]}}
+    with pytest.raises(ApiException) as refused:
+        core.patch_namespaced_pod_status(
+            "reused", namespace, patch,
+            _content_type="application/strategic-merge-patch+json")
+    assert refused.value.status in (409, 422), refused.value.body
+    assert condition(core.read_namespaced_pod_status("reused", namespace), GATE) is None
+    # The pod's own uid: applied.
+    patch["metadata"]["uid"] = core.read_namespaced_pod("reused", namespace).metadata.uid
+    core.patch_namespaced_pod_status("reused", namespace, patch,
+                                     _content_type="application/strategic-merge-patch+json")
+    assert condition(core.read_namespaced_pod_status("reused", namespace), GATE).reason == "Test"
+
+
 def k8s_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 

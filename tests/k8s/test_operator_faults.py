@@ -73,7 +73,7 @@ def engine_pod(namespace: str, cache: str, node: str) -> dict[str, Any]:
         "metadata": {
             "name": f"{cache}-engine-{node}",
             "namespace": namespace,
-            "labels": {"app": f"{cache}-engine"},
+            "labels": {"app": f"{cache}-engine", names.GATED_LABEL: names.GATED_VALUE},
         },
         "spec": {
             "nodeSelector": {"kubernetes.io/hostname": node},

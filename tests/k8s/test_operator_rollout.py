@@ -37,7 +37,8 @@ def engine_pod(namespace: str, cache: str, node: str, generation: str) -> dict[s
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": f"engine-{node}", "namespace": namespace,
-                     "labels": {"app": f"{cache}-engine"},
+                     "labels": {"app": f"{cache}-engine",
+                                names.GATED_LABEL: names.GATED_VALUE},
                      "annotations": {names.binding_key(namespace, cache): generation}},
         "spec": {"nodeName": node, "readinessGates": [{"conditionType": names.GATE_CONDITION}],
                  "containers": [{"name": "engine", "image": "engine:v1"}]},

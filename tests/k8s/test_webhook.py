@@ -1,12 +1,14 @@
-"""One-label engine pods: the operator's mutating webhook on the real control plane.
+"""The mutating webhook on the real control plane, served apart from the operator.
 
-The operator serves the webhook (kopf's admission server) with a certificate
-of a CA made here; the MutatingWebhookConfiguration is the chart's own
-(objectSelector, failurePolicy Fail), pointed at the operator's loopback port
-by URL, since the API server here reaches this machine's loopback directly
-(tests/k8s/test_real_csi.py runs the chart's Service path on the real node).
-The daemon is the real one, reporting into its kwok pod; kwok runs no
-containers, so the CSI volume the webhook adds is checked as written.
+The webhook (`python -m weightcache_operator webhook`, under an account
+holding only WEBHOOK_RULES) serves with a certificate of a CA made here; the
+MutatingWebhookConfiguration is the chart's own (objectSelectors,
+matchConditions, failurePolicy Fail), pointed at the webhook's loopback port by
+URL, since the API server here reaches this machine's loopback directly
+(tests/k8s/test_real_csi.py runs the chart's Deployment and Service on the real
+node). The operator runs beside it as its own process. The daemon is the real
+one, reporting into its kwok pod; kwok runs no containers, so the CSI volume
+the webhook adds is checked as written.
 """
 
 from __future__ import annotations
@@ -28,24 +30,27 @@ from tests.k8s.operator_flow import (
     Api,
     OperatorProcess,
     Scene,
+    WebhookProcess,
     apply,
     default_service_account,
     eventually,
     gate_of,
     install_operator_account,
+    install_webhook_account,
     is_ready,
     minilm_dir,
     operator_policy,
+    oversized_labels,
 )
 from tools.testenv import pki
 from tools.testenv.cluster import Cluster
-from tools.testenv.procs import free_ports
 from weightcache.report import SPEC_HASH_ENV
-from weightcache_operator import inject, names
+from weightcache_operator import inject, names, podlimits
 
 pytestmark = pytest.mark.k8s
 
 CHART = REPO_ROOT / "charts" / "weightcache-operator"
+WEBHOOK_SA = "weightcache-webhook"
 
 
 @pytest.fixture(scope="module")
@@ -58,23 +63,31 @@ def webhook_tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[pki.KeyPair, 
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster, operator_home: str, tmp_path_factory: pytest.TempPathFactory,
-             webhook_tls: tuple[pki.KeyPair, pki.KeyPair]) -> Iterator[OperatorProcess]:
-    """The module's operator, serving the webhook, and the chart's webhook configuration."""
+def webhook(cluster: Cluster, operator_home: str, tmp_path_factory: pytest.TempPathFactory,
+            webhook_tls: tuple[pki.KeyPair, pki.KeyPair]) -> Iterator[WebhookProcess]:
+    """The module's webhook, under its own account, and the chart's webhook configuration."""
     ca, serving = webhook_tls
-    (port,) = free_ports(1)
-    kubeconfig = install_operator_account(cluster, operator_home, OPERATOR_SA)
-    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log",
-                         operator_policy(operator_home),
-                         args=[f"--webhook-port={port}", f"--webhook-cert={serving.cert}",
-                               f"--webhook-key={serving.key}"])
-    config = chart_webhook(cluster, operator_home, f"https://127.0.0.1:{port}/inject",
-                           ca.cert.read_bytes())
-    op.start()
+    kubeconfig = install_webhook_account(cluster, operator_home, WEBHOOK_SA)
+    hook = WebhookProcess(kubeconfig, tmp_path_factory.mktemp("webhook") / "webhook.log",
+                          serving.cert, serving.key)
+    config = chart_webhook(cluster, operator_home, hook.url, ca.cert.read_bytes())
+    hook.start()
     apply(cluster, config)
-    yield op
+    yield hook
     cluster.kubectl("delete", "mutatingwebhookconfiguration", config["metadata"]["name"],
                     "--ignore-not-found")
+    hook.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, operator_home: str, tmp_path_factory: pytest.TempPathFactory,
+             webhook: WebhookProcess) -> Iterator[OperatorProcess]:
+    """The module's operator, a process of its own beside the webhook."""
+    kubeconfig = install_operator_account(cluster, operator_home, OPERATOR_SA)
+    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log",
+                         operator_policy(operator_home))
+    op.start()
+    yield op
     op.stop()
 
 
@@ -257,16 +270,22 @@ def test_a_pod_naming_a_missing_cache_or_another_namespaces_is_refused(
         cluster.kubectl("delete", "namespace", other, "--wait=false")
 
 
-def test_with_the_webhook_down_labelled_pods_are_refused_unlabelled_admitted(
-    scene: Scene, api: Api, operator: OperatorProcess
+def test_with_the_webhook_down_labelled_and_gated_pods_are_refused_others_admitted(
+    scene: Scene, api: Api, webhook: WebhookProcess
 ) -> None:
     ns, name = scene.namespace, scene.name
     scene.apply_cache()
     daemon = scene.daemon_pod()
-    operator.stop()
+    webhook.stop()
     try:
         error = refused(api, labelled_pod(ns, "while-down", name, scene.node))
         assert error.status == 500 and "failed calling webhook" in error.body, error.body
+        # A pod listing the gate itself is refused too: admitted, it would carry no label
+        # for the operator's watch, and wait unseen.
+        gated = labelled_pod(ns, "gated-while-down", name, scene.node)
+        del gated["metadata"]["labels"]
+        gated["spec"]["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+        assert "failed calling webhook" in refused(api, gated).body
         plain = labelled_pod(ns, "plain", name, scene.node)
         del plain["metadata"]["labels"]
         assert create(api, plain).spec.readiness_gates is None
@@ -276,10 +295,114 @@ def test_with_the_webhook_down_labelled_pods_are_refused_unlabelled_admitted(
         eventually("the DaemonSet recreates its pod", lambda: [
             p for p in api.daemon_pods(ns, name) if p.metadata.uid != daemon.metadata.uid])
     finally:
-        operator.start()
+        webhook.start()
     pod = eventually("admitted again once the webhook answers", lambda: _try_create(
         api, labelled_pod(ns, "after", name, scene.node)))
     assert pod.spec.readiness_gates
+
+
+def test_the_webhook_admits_while_the_operator_is_killed(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """Issue 43 item 2: the operator OOM-killed in a crash loop once took every tenant's
+    admission with it (`no endpoints available`). Served apart, the webhook admits and
+    injects with the operator dead; the operator, back, gates what was admitted."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    scene.daemon_pod()
+    operator.kill()
+    try:
+        pod = create(api, labelled_pod(ns, "while-operator-down", name, scene.node))
+        assert [g.condition_type for g in pod.spec.readiness_gates] == [names.GATE_CONDITION]
+        assert pod.metadata.labels[names.GATED_LABEL] == names.GATED_VALUE
+        assert pod.metadata.annotations[names.binding_key(ns, name)] == scene.spec_hash()
+        assert gate_of(pod) is None
+    finally:
+        operator.start()
+    scene.start_daemon()
+    eventually("the operator, back, opens its gate", lambda: gate_of(
+        api.core.read_namespaced_pod("while-operator-down", ns)) == ("True", "WeightsResident"))
+
+
+def test_a_selector_gated_pod_is_marked_for_the_watch_and_gated(
+    scene: Scene, api: Api
+) -> None:
+    """A pod listing the gate itself (its cache's selector matches it), sent by the chart's
+    third entry (matchConditions, run by the real apiserver): the webhook adds the label
+    the operator watches, and nothing else; the operator then gates it."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    gated = labelled_pod(ns, "selected", name, scene.node)
+    gated["metadata"]["labels"] = {"app": f"{name}-engine"}
+    gated["spec"]["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+    pod = create(api, gated)
+    assert pod.metadata.labels == {"app": f"{name}-engine", names.GATED_LABEL: "true"}
+    assert not [v for v in pod.spec.volumes or [] if v.name == inject.VOLUME]
+    assert pod.metadata.annotations is None
+    scene.start_daemon()
+    eventually("the selected pod's gate opens", lambda: gate_of(
+        api.core.read_namespaced_pod("selected", ns)) == ("True", "WeightsResident"))
+    # The gate's transitions are posted as the pod's Events, as before the watch moved.
+    eventually("the pod's WeightsResident event", lambda: [
+        e for e in api.core.list_namespaced_event(ns).items
+        if e.involved_object.name == "selected" and e.reason == "WeightsResident"])
+
+
+def test_a_gated_pod_past_the_limits_is_refused_naming_the_limit(
+    scene: Scene, api: Api
+) -> None:
+    """Issue 43 item 1: 2,700 labels (~900 KB) on a pod listing the gate, as the tenant of
+    the security review made 340 of. Refused at admission, naming the limit; the same pod
+    without the gate is none of weightcache's business and is admitted."""
+    ns, name = scene.namespace, scene.name
+    attack = labelled_pod(ns, "oversized", name, scene.node)
+    attack["metadata"]["labels"] = oversized_labels(2700)
+    attack["spec"]["nodeSelector"] = {"no-such-node": "anywhere"}
+    attack["spec"]["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+    error = refused(api, attack)
+    assert error.status == 400, error.body
+    assert f"over the limit of {podlimits.LIMITS.labels} labels" in error.body
+    one_label = labelled_pod(ns, "oversized-one-label", name, scene.node)
+    one_label["metadata"]["labels"].update(oversized_labels(podlimits.LIMITS.labels))
+    assert f"over the limit of {podlimits.LIMITS.labels}" in refused(api, one_label).body
+    bindings = labelled_pod(ns, "many-bindings", name, scene.node)
+    bindings["metadata"]["annotations"] = {f"{names.BINDING_PREFIX}x{i}": "a" * 64
+                                           for i in range(200)}
+    assert "(one per WeightCache that gates the pod)" in refused(api, bindings).body
+    ungated = labelled_pod(ns, "ungated", name, scene.node)
+    ungated["metadata"]["labels"] = oversized_labels(2700)
+    assert create(api, ungated).spec.readiness_gates is None
+
+
+def test_past_the_limits_after_admission_or_unlabelled_the_gate_closes_saying_why(
+    scene: Scene, api: Api
+) -> None:
+    """A pod admitted within the limits, relabelled past them (a tenant with `patch pods`):
+    its view keeps nothing but why, and its gate closes naming the limit. One whose watch
+    label is removed leaves the operator's watch: its open gate is closed (NotWatched),
+    never left reported resident. Relabelled away from its cache: NoWeightCache."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    for pod in ("grows", "unlabelled", "renamed"):
+        create(api, labelled_pod(ns, pod, name, scene.node))
+    scene.start_daemon()
+    for pod in ("grows", "unlabelled", "renamed"):
+        eventually(f"{pod}'s gate opens", lambda pod=pod: gate_of(
+            api.core.read_namespaced_pod(pod, ns)) == ("True", "WeightsResident"))
+    api.core.patch_namespaced_pod("grows", ns, {"metadata": {"labels": oversized_labels(200)}})
+    eventually("the grown pod's gate closes naming the limit", lambda: gate_of(
+        api.core.read_namespaced_pod("grows", ns)) == ("False", podlimits.OVER_LIMITS))
+    condition = next(c for c in api.core.read_namespaced_pod("grows", ns).status.conditions
+                     if c.type == names.GATE_CONDITION)
+    assert f"over the limit of {podlimits.LIMITS.labels} labels" in condition.message
+    api.core.patch_namespaced_pod("unlabelled", ns,
+                                  {"metadata": {"labels": {names.GATED_LABEL: None}}})
+    eventually("the unwatched pod's gate is closed", lambda: gate_of(
+        api.core.read_namespaced_pod("unlabelled", ns)) == ("False", "NotWatched"))
+    api.core.patch_namespaced_pod("renamed", ns,
+                                  {"metadata": {"labels": {names.CACHE_LABEL: "another"}}})
+    eventually("the relabelled pod's gate closes", lambda: gate_of(
+        api.core.read_namespaced_pod("renamed", ns)) == ("False", "NoWeightCache"))
 
 
 def _try_create(api: Api, pod: dict[str, Any]) -> k8s.V1Pod | None:
@@ -305,3 +428,33 @@ def test_admitting_a_pod_twice_adds_nothing_twice(scene: Scene, api: Api) -> Non
         assert pod.spec.security_context.supplemental_groups == [65533]
         (container,) = pod.spec.containers
         assert len([e for e in container.env if e.name == inject.CACHE_ENV]) == 1
+
+
+def test_a_gated_pod_the_watch_cannot_see_is_closed_when_the_operator_starts(
+    scene: Scene, api: Api, operator: OperatorProcess
+) -> None:
+    """A pod whose watch label went while the operator was down (or one admitted before the
+    label existed, gate opened by an older operator): the new operator's watch never sees
+    it, so at start it looks such pods up by each cache's selector and the one-label form,
+    and closes their open gates (NotWatched), never leaving them reported resident."""
+    ns, name = scene.namespace, scene.name
+    scene.apply_cache()
+    create(api, labelled_pod(ns, "one-label", name, scene.node))
+    selected = labelled_pod(ns, "selected", name, scene.node)
+    selected["metadata"]["labels"] = {"app": f"{name}-engine"}
+    selected["spec"]["readinessGates"] = [{"conditionType": names.GATE_CONDITION}]
+    create(api, selected)
+    scene.start_daemon()
+    for pod in ("one-label", "selected"):
+        eventually(f"{pod}'s gate opens", lambda pod=pod: gate_of(
+            api.core.read_namespaced_pod(pod, ns)) == ("True", "WeightsResident"))
+    operator.stop()
+    try:
+        for pod in ("one-label", "selected"):
+            api.core.patch_namespaced_pod(pod, ns, {"metadata": {"labels": {
+                names.GATED_LABEL: None}}})
+    finally:
+        operator.start()
+    for pod in ("one-label", "selected"):
+        eventually(f"{pod}'s gate is closed at the operator's start", lambda pod=pod: gate_of(
+            api.core.read_namespaced_pod(pod, ns)) == ("False", "NotWatched"))

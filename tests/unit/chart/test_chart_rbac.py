@@ -81,8 +81,8 @@ def test_daemon_gets_patch_pods_in_the_daemon_namespace_only(
     (account,) = roles(docs, "ServiceAccount", "daemon")
     assert account["metadata"]["name"] == "weightcache-daemon"
     assert account["metadata"]["namespace"] == expected
-    policy = json.loads(one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0][
-        "env"][0]["value"])
+    operator = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
+    policy = json.loads(operator["containers"][0]["env"][0]["value"])
     assert policy["daemonNamespace"] == expected
 
 

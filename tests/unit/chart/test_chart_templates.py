@@ -14,7 +14,7 @@ DIGEST = "sha256:" + "ab" * 32
 
 
 def operator_pod(docs: list[dict]) -> dict:
-    return one(docs, "Deployment")["spec"]["template"]["spec"]
+    return one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=values_id)
@@ -40,7 +40,7 @@ def test_operator_pod_is_hardened(render: Renderer, values: Path | None) -> None
     assert pod["automountServiceAccountToken"] is True
     assert one(docs, "ServiceAccount", "-weightcache-operator")[
         "automountServiceAccountToken"] is False
-    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert one(docs, "Deployment", "-operator")["spec"]["strategy"] == {"type": "Recreate"}
 
 
 def policy_of(pod: dict) -> Policy:
@@ -90,7 +90,7 @@ def test_the_operator_gets_the_same_policy_admission_enforces(render: Renderer) 
 def test_metrics_service_selects_the_operator_pod(render: Renderer) -> None:
     docs = render()
     service = one(docs, "Service", "-metrics")
-    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    labels = one(docs, "Deployment", "-operator")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"metrics", "health"}
 
@@ -181,29 +181,43 @@ def test_the_csi_driver_serves_inline_ephemeral_volumes_only(render: Renderer) -
     assert volumes["registration-dir"] == "/srv/kubelet/plugins_registry"
     assert volumes["sockets-0"] == "/var/run/weightcache"
     # The operator's own image runs the privileged plugin, never an author's.
-    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    operator = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     assert containers["plugin"]["image"] == operator["image"]
     assert containers["registrar"]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
-def selected(hook: dict, labels: dict[str, str]) -> bool:
-    """Whether a hook's objectSelector (matchExpressions of Exists, In, NotIn) selects a pod
-    with `labels`, as the API server decides."""
+GATED_CONDITION = (
+    "(has(object.spec.readinessGates) && object.spec.readinessGates.exists(g, "
+    "g.conditionType == 'weightcache.dev/weights-resident')) || (has(object.metadata.labels) "
+    "&& 'weightcache.dev/gated' in object.metadata.labels)")
+
+
+def selected(hook: dict, labels: dict[str, str], gate: bool = False) -> bool:
+    """Whether a hook sends a pod with `labels` (and the readiness gate, with `gate`): its
+    objectSelector (matchExpressions of Exists, DoesNotExist, In, NotIn), as the API server
+    decides, and its one matchCondition (CEL; the real apiserver runs it in
+    tests/k8s/test_webhook.py), as GATED_CONDITION says."""
     for e in hook["objectSelector"]["matchExpressions"]:
         value = labels.get(e["key"])
         if e["operator"] == "Exists" and value is None:
+            return False
+        if e["operator"] == "DoesNotExist" and value is not None:
             return False
         if e["operator"] == "In" and value not in e["values"]:
             return False
         if e["operator"] == "NotIn" and value in e["values"]:
             return False
+    for condition in hook.get("matchConditions") or []:
+        assert condition["expression"] == GATED_CONDITION
+        if not (gate or "weightcache.dev/gated" in labels):
+            return False
     return True
 
 
-def test_the_webhook_sees_every_labelled_pod_but_daemons_and_fails_closed(
+def test_the_webhook_sees_every_gated_pod_but_daemons_and_fails_closed(
     render: Renderer,
 ) -> None:
-    from weightcache_operator import inject, names
+    from weightcache_operator import inject, names, rbac
 
     docs = render()
     hooks = one(docs, "MutatingWebhookConfiguration")["webhooks"]
@@ -220,20 +234,57 @@ def test_the_webhook_sees_every_labelled_pod_but_daemons_and_fails_closed(
             "port": 443}
         assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     # Issue 34 item 3: the selectors send exactly the pods the handler decides for
-    # (inject.asks): every labelled pod but those with both daemon labels.
+    # (inject.gated): every labelled pod but those with both daemon labels; issue 43: every
+    # pod listing the gate, or carrying the watch label, so that each is marked for the
+    # operator's watch and refused past the limits.
     cache = {names.CACHE_LABEL: "minilm"}
     daemon = {names.MANAGED_BY_LABEL: names.MANAGER,
               names.COMPONENT_LABEL: names.DAEMON_COMPONENT}
+    marked = {names.GATED_LABEL: names.GATED_VALUE}
     for labels in ({}, cache, {**cache, names.MANAGED_BY_LABEL: "Helm"},
                    {**cache, names.MANAGED_BY_LABEL: names.MANAGER},
                    {**cache, names.COMPONENT_LABEL: names.DAEMON_COMPONENT},
-                   {**cache, **daemon}, daemon):
-        sent = [hook["name"] for hook in hooks if selected(hook, labels)]
-        assert len(sent) == int(inject.asks(labels)), (labels, sent)
-    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert "--webhook-port=9443" in operator["args"]
-    assert {"name": "webhook-tls", "mountPath": "/tls", "readOnly": True} in operator[
+                   {**cache, **daemon}, daemon, {"app": "engine"}, marked,
+                   {**marked, "app": "engine"}, {**cache, **marked}):
+        for gate in (False, True):
+            spec = {"readinessGates": [{"conditionType": names.GATE_CONDITION}]} if gate else {}
+            sent = [hook["name"] for hook in hooks if selected(hook, labels, gate)]
+            wanted = inject.gated(labels, spec) and not (
+                names.CACHE_LABEL in labels and inject.is_daemon(labels))
+            assert len(sent) == int(wanted), (labels, gate, sent)
+    # Served by a Deployment of its own, never the operator's (issue 43 item 2).
+    operator = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]
+    assert not [a for a in operator["containers"][0]["args"] if "webhook" in a]
+    assert "webhook-tls" not in {v["name"] for v in operator["volumes"]}
+    webhook = one(docs, "Deployment", "-webhook")
+    assert webhook["spec"]["replicas"] == 2
+    assert webhook["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = webhook["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert not operator.get("affinity") or "webhook" not in str(operator)
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "weightcache_operator", "webhook"]
+    assert container["image"] == one(docs, "Deployment", "-operator")["spec"]["template"][
+        "spec"]["containers"][0]["image"]
+    assert container["resources"]["limits"]["memory"]
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert {"name": "webhook-tls", "mountPath": "/tls", "readOnly": True} in container[
         "volumeMounts"]
+    spread = pod["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert spread["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    budget = one(docs, "PodDisruptionBudget", "-webhook")
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    account = pod["spec"]["serviceAccountName"]
+    assert account != operator["serviceAccountName"]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"
+               and d["metadata"]["name"].endswith("-webhook")]
+    assert role["rules"] == rbac.WEBHOOK_RULES
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"
+                  and d["metadata"]["name"].endswith("-webhook")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
+                                    "namespace": "wc-system"}]
 
 
 def test_the_webhook_can_take_its_certificate_from_cert_manager(render: Renderer) -> None:
@@ -249,9 +300,10 @@ def test_the_webhook_can_take_its_certificate_from_cert_manager(render: Renderer
 
 def test_webhook_and_csi_can_be_left_out(render: Renderer) -> None:
     docs = render(set_values=["webhook.enabled=false", "csi.enabled=false"])
-    assert not [d for d in docs if d["kind"] in ("MutatingWebhookConfiguration", "CSIDriver")]
-    operator = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert not [a for a in operator["args"] if a.startswith("--webhook")]
+    assert not [d for d in docs if d["kind"] in ("MutatingWebhookConfiguration", "CSIDriver",
+                                                 "PodDisruptionBudget")]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == [
+        "wc-weightcache-operator"]
 
 
 def test_network_policies_admit_only_the_scrapers_to_daemons_and_operator(
@@ -268,11 +320,15 @@ def test_network_policies_admit_only_the_scrapers_to_daemons_and_operator(
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert policy["spec"]["ingress"] == []
     operator = one(docs, "NetworkPolicy", "-weightcache-operator")
-    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    labels = one(docs, "Deployment", "-operator")["spec"]["template"]["metadata"]["labels"]
     assert operator["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
-    rule, webhook = operator["spec"]["ingress"]
-    # The API server calls the webhook from an address the chart cannot know.
-    assert webhook == {"ports": [{"port": "webhook", "protocol": "TCP"}]}
+    (rule,) = operator["spec"]["ingress"]
+    # The API server calls the webhook from an address the chart cannot know: its pods'
+    # one port is open to all, and only that.
+    webhook = one(docs, "NetworkPolicy", "-webhook")
+    labels = one(docs, "Deployment", "-webhook")["spec"]["template"]["metadata"]["labels"]
+    assert webhook["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert webhook["spec"]["ingress"] == [{"ports": [{"port": "webhook", "protocol": "TCP"}]}]
     test_pod = one(docs, "Pod", "-test")["metadata"]["labels"]
     (peer,) = rule["from"]  # the helm test pod alone
     assert peer["podSelector"]["matchLabels"].items() <= test_pod.items()

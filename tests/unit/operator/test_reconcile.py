@@ -83,7 +83,7 @@ class RecordingKube:
         self._write("status", dict(status))
 
     async def set_pod_condition(self, namespace: str, name: str,
-                                condition: Mapping[str, Any]) -> None:
+                                condition: Mapping[str, Any], uid: str | None = None) -> None:
         self._write("gate", (name, condition["status"], condition["reason"]))
         self.conditions[name] = Condition(
             condition["status"], condition["reason"], condition["message"])
@@ -865,6 +865,31 @@ def test_a_refused_eviction_holds_the_rollout_with_an_event_and_a_reason(
     run(reconciler.status(world, NS, NAME))
     assert kube.of("evict") == [(NS, "engine-node-a", "uid-engine-node-a")]
     assert progressing(kube.of("status")[-1]) == ("True", "RollingNodeByNode")
+
+
+def test_a_listed_tenants_budget_holds_the_rollout_until_its_namespace_is_unlisted(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Issue 43 item 4 (docs/security.md, "What listing a namespace grants"): a tenant of a
+    namespace the cache lists keeps its pod on the old generation with a budget refusing the
+    eviction; the node never rolls (the daemon stays), reported as EvictionBlocked. Once the
+    owner takes the namespace out of the list, that pod is no longer the cache's, and the
+    node rolls without evicting it."""
+    listed = {**NODE_BY_NODE, "engine": {**SPEC["engine"], "namespaces": ["tenant"]}}
+    tenant_pod = dataclasses.replace(labelled_engine("tenant", "held"), node="node-a",
+                                     bindings={names.binding_key(NS, NAME): OLD})
+    world = state([cache(spec=listed)], [old_daemon("node-a")], engines=[tenant_pod])
+    kube.refuse["evict"] = 429
+    for _ in range(3):
+        run(reconciler.status(world, NS, NAME))
+    assert kube.of("evict") == []
+    (cond,) = [c for c in kube.of("status")[-1]["conditions"] if c["type"] == "Progressing"]
+    assert cond["reason"] == "EvictionBlocked" and "tenant/held" in cond["message"]
+    del kube.refuse["evict"]
+    unlisted = state([cache(generation=2, spec=NODE_BY_NODE)], [old_daemon("node-a")],
+                     engines=[tenant_pod])
+    run(reconciler.status(unlisted, NS, NAME))
+    assert kube.of("evict") == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
 
 
 def test_a_surge_cache_evicts_nothing(kube: RecordingKube, reconciler: Reconciler) -> None:
