@@ -236,6 +236,10 @@ class DaemonStatus(msgspec.Struct):
     # What went wrong that costs only a successor, while this daemon serves: e.g. its
     # manifest could not be written (a full filesystem), so a restart reloads from disk.
     warning: str | None = None
+    # What a loading daemon is doing: "re-adopting" (asking engines for the weights they map;
+    # it has not decided yet whether it takes them back), "loading" (from a neighbour or
+    # the disk), "waiting-for-room" (the new generation does not fit beside kept ones).
+    phase: str | None = None
 
 
 class PingReply(_ReplyMessage, tag="ping_reply"):

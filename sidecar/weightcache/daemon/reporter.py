@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,8 +48,11 @@ log = logging.getLogger(__name__)
 _STATES = {"loading": "Loading", "ready": "Ready", "error": "Error"}
 
 
-def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str) -> DeviceReport:
-    """The report of this daemon's status; ``ValueError`` names a field the schema refuses."""
+def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str,
+                  instance: str = "") -> DeviceReport:
+    """The report of this daemon's status; ``ValueError`` names a field the schema refuses.
+    ``instance``: this process's (``new_instance``), so that the operator tells a report
+    a dead process left from its successor's."""
     for name in ("preloaded_weights_bytes", "expected_bytes"):
         value = getattr(status, name)
         if not 0 <= value <= MAX_DEVICE_BYTES:
@@ -71,7 +75,14 @@ def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str) -> 
         load_source=status.load_source or "",
         seeded_from=status.seeded_from or "",
         reported_at=now,
+        load_phase=(status.phase or "") if status.state == "loading" else "",
+        instance=instance,
     )
+
+
+def new_instance() -> str:
+    """A fresh random name for this daemon process's reports (16 hex digits)."""
+    return secrets.token_hex(8)
 
 
 def report_patch(report: DeviceReport) -> dict[str, Any]:
@@ -113,6 +124,7 @@ class PodReporter:
         self._reported_generation = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.instance = new_instance()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **kwargs: Any) -> PodReporter | None:
@@ -129,7 +141,8 @@ class PodReporter:
     def update(self, status: DaemonStatus) -> None:
         """Queue the daemon's latest status; never blocks, never raises."""
         try:
-            report = device_report(status, self.spec_hash, self.node, rfc3339_now())
+            report = device_report(status, self.spec_hash, self.node, rfc3339_now(),
+                                   self.instance)
         except (ValueError, KeyError, TypeError):
             log.exception("not reporting an invalid daemon status")
             return

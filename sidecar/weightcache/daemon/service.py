@@ -24,6 +24,7 @@ from weightcache.daemon.seed import WAIT_SECONDS, Obtained, obtain_weights
 from weightcache.daemon.server import ServerCounters, ServerLimits, SocketServer
 from weightcache.daemon.statedir import prepare_state_dir
 from weightcache.protocol import DaemonStatus, ShardSpec
+from weightcache.report import PHASE_LOADING, PHASE_READOPTING
 from weightcache.sockets import PeerPolicy, listen_unix, prepare_socket_dir
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class Daemon:
         self._state = "loading"
         self._error: str | None = None
         self._load_reason: str | None = None
+        # What loading does now (DaemonStatus.phase): a start re-adopts first; until it says
+        # otherwise, the operator keeps the gates of the engines that map the weights.
+        self._phase: str | None = PHASE_READOPTING
         # How the weights came to be held at start (re-adopted, seeded, read from disk).
         self._resident: ResidentWeights | None = None
         self._holdings: Holdings | None = None
@@ -104,6 +108,7 @@ class Daemon:
             load_reason=self._load_reason,
             layouts=h.statuses() if h else [],
             warning=_manifest_warning(h.held() if h else [r] if r else []),
+            phase=self._phase if self._state == "loading" else None,
         )
 
     def counters(self) -> ServerCounters:
@@ -228,6 +233,9 @@ class Daemon:
             # Engine layouts re-adopted: the checkpoint layout is loaded only if kept or
             # also re-adopted (it is rebuilt from disk if an engine asks for it).
             if checkpoint_layout is None and (not layouts or opts.keep_checkpoint_layout):
+                # Re-adoption is over: what it did not take back is loaded otherwise.
+                self._phase = PHASE_LOADING
+                self._set_state("loading")
                 obtained = obtain_weights(
                     opts.socket_path,
                     opts.gpu,

@@ -58,6 +58,13 @@ def test_report_of_a_status() -> None:
     assert (warned.state, warned.message) == ("Ready", "manifest not written")
     both = reporter.device_report(status(state="error", error="e", warning="w"), HASH, "n", NOW)
     assert both.message == "e"
+    # What a loading daemon does travels as loadPhase (the operator keeps the engines' gates
+    # while it re-adopts), and each process names its reports.
+    readopting = reporter.device_report(status(state="loading", phase="re-adopting"), HASH, "n",
+                                        NOW, reporter.new_instance())
+    assert readopting.load_phase == "re-adopting" and len(readopting.instance) == 16
+    assert reporter.device_report(status(phase="re-adopting"), HASH, "n", NOW).load_phase == ""
+    assert reporter.new_instance() != reporter.new_instance()
 
 
 def test_the_report_says_where_the_weights_came_from() -> None:
@@ -206,6 +213,6 @@ def test_resync_restores_a_clobbered_report() -> None:
                     break
             time.sleep(0.025)
         assert msgspec.structs.replace(pod.report(), reported_at="") == msgspec.structs.replace(
-            reporter.device_report(status(), HASH, "node-a", NOW), reported_at="")
+            reporter.device_report(status(), HASH, "node-a", NOW, r.instance), reported_at="")
     finally:
         r.stop()

@@ -894,3 +894,105 @@ def test_a_cache_evicts_only_pods_it_gates_that_carry_its_own_binding(
     run(reconciler.status(state([cache(spec=NODE_BY_NODE)], [old_daemon("node-b")],
                                 engines=[old_engine("node-b")]), NS, NAME))
     assert kube.of("evict")[1:] == [(NS, "engine-node-b", "uid-engine-node-b")]
+
+
+# ------------------------------------------------------------------ daemon replacements
+
+def replaced_scene(kube: RecordingKube, carry_seconds: float = gate.CARRY_SECONDS
+                   ) -> tuple[Reconciler, State, DaemonPodView]:
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0,
+                            carry_seconds=carry_seconds)
+    reports = annotations(device_report("cpu", DIGEST, transport="memfd", instance="a" * 16))
+    old = dataclasses.replace(daemon_pod(reports=reports), uid="old-uid",
+                              containers_running=True)
+    return reconciler, state(pods=[old]), old
+
+
+def test_a_replaced_daemon_pod_closes_no_gate_until_its_successor_decides(
+    kube: RecordingKube,
+) -> None:
+    """Issue 42 item 2, as the operator lives it: the pod is deleted (terminating), gone,
+    its successor starts without a report, re-adopts, reports Ready and turns Ready; not
+    one gate write closes the gate, and the node keeps its label."""
+    reconciler, st, old = replaced_scene(kube)
+    new = dataclasses.replace(daemon_pod("wc-new", ready=False, reports={}), uid="new-uid",
+                              containers_running=True)
+
+    def readopting(state: str, **fields: Any) -> dict[str, str]:
+        return annotations(device_report("cpu", DIGEST, transport="memfd", state=state,
+                                         instance="b" * 16, **fields))
+
+    steps = [
+        [dataclasses.replace(old, terminating=True, ready=False)],
+        [],
+        [new],
+        [dataclasses.replace(new, reports=readopting("Loading", load_phase="re-adopting"))],
+        [dataclasses.replace(new, reports=readopting("Ready", readopted=True))],
+        [dataclasses.replace(new, ready=True,
+                             reports=readopting("Ready", readopted=True))],
+    ]
+
+    async def replace() -> None:
+        await reconciler.cache(st, NS, NAME)
+        catch_up(st, kube)
+        for pods in steps:
+            st.daemon_pods_index[(NS, NAME, NODE)] = pods  # type: ignore[index]
+            await reconciler.daemon_pod(st, NS, NAME, NODE)
+            await reconciler.flush()
+
+    run(replace())
+    assert {g[1] for g in kube.of("gate")} == {"True"}, kube.of("gate")
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: "Ready"})]
+    assert "wc-new" in kube.conditions["engine-1"].message  # its own verdict at the end
+    assert all(s["readyNodes"] == 1 for s in kube.of("status")), kube.of("status")
+
+
+def test_a_successor_that_takes_nothing_back_or_never_decides_closes_the_gate(
+    kube: RecordingKube,
+) -> None:
+    """The carry ends when the successor loads from disk instead (the engines' weights were
+    not taken back: a checksum did not match, no manifest), and after carry_seconds when it
+    never decides (a dead node); a restarted operator carries nothing it did not see."""
+    reconciler, st, old = replaced_scene(kube, carry_seconds=0.5)
+    from_disk = annotations(device_report("cpu", DIGEST, transport="memfd", state="Loading",
+                                          load_phase="loading", instance="b" * 16))
+    new = dataclasses.replace(daemon_pod("wc-new", ready=False, reports=from_disk),
+                              uid="new-uid", containers_running=True)
+
+    async def scene(pods: list[list[DaemonPodView]], wait: float = 0.0) -> None:
+        await reconciler.cache(st, NS, NAME)
+        catch_up(st, kube)
+        for step in pods:
+            st.daemon_pods_index[(NS, NAME, NODE)] = step  # type: ignore[index]
+            await reconciler.daemon_pod(st, NS, NAME, NODE)
+            await reconciler.flush()
+        await asyncio.sleep(wait)
+        await reconciler.flush()
+
+    run(scene([[], [new]]))
+    assert [g[1:] for g in kube.of("gate")][-1] == ("False", gate.DAEMON_NOT_READY)
+    assert [g[1] for g in kube.of("gate")].count("False") == 1
+    kube.writes.clear()
+    reconciler, st, old = replaced_scene(kube, carry_seconds=0.5)
+    run(scene([[]], wait=1.0))  # nobody ever comes: closed when the bound ends, by a timer
+    assert [g[1:] for g in kube.of("gate")][-1] == ("False", gate.NO_DAEMON_ON_NODE)
+
+    # An operator started mid-replacement never saw the old pod's verdict hold.
+    fresh = Reconciler(RecordingKube(), POLICY, operator_uid=65532)
+    run(fresh.cache(state(pods=[dataclasses.replace(old, terminating=True)]), NS, NAME))
+    assert fresh.kube.conditions["engine-1"].status == "False"  # type: ignore[attr-defined]
+
+
+def test_an_operator_remembers_what_holds_before_its_first_apply_replaces_daemons(
+    kube: RecordingKube,
+) -> None:
+    """An operator upgrade renders a new DaemonSet template, which replaces every daemon
+    pod: the new operator judges the nodes before it applies, so the replacement it causes
+    is carried too."""
+    reconciler, st, old = replaced_scene(kube)
+    run(reconciler.apply_daemonset(st, cache()))
+    assert kube.of("daemonset") and kube.of("gate") == []  # nothing written but the apply
+    st.daemon_pods_index[(NS, NAME, NODE)] = [dataclasses.replace(old, terminating=True)]  # type: ignore[index]
+    run(reconciler.cache(st, NS, NAME))
+    assert kube.conditions["engine-1"].status == "True"
+    assert "replaced (terminating)" in kube.conditions["engine-1"].message
