@@ -632,13 +632,15 @@ class Reconciler:
 
     async def _roll_nodes(self, state: State, cache: views.CacheView
                           ) -> rollout.Progress | None:
-        """A NodeByNode cache's evictions for this pass (rollout.py decides which); None for
-        a Surge cache, where the DaemonSet controller replaces the daemons itself."""
+        """The evictions of a NodeByNode or Auto cache for this pass (rollout.py decides
+        which); None for a Surge cache, where the DaemonSet controller replaces the daemons
+        and nothing is evicted."""
         parsed = self.parsed(cache)
         if isinstance(parsed, SpecError) or cache.deleting:
             return None
         spec, current = parsed
-        if spec.rollout.strategy != "NodeByNode":
+        strategy = spec.rollout.strategy
+        if strategy == "Surge":
             return None
         retiring: dict[str, list[views.EnginePodView]] = {}
         runs: dict[str, str] = {}
@@ -646,16 +648,22 @@ class Reconciler:
             if generation != current and pod.node:
                 retiring.setdefault(pod.node, []).append(pod)
                 runs[pod.uid] = generation
-        plan = rollout.plan(current, spec.rollout.max_unavailable, state.daemon_pods(cache),
-                            retiring)
+        if strategy == "Auto":
+            plan = rollout.make_room(current, state.daemon_pods(cache), retiring)
+            why_evicted = (f"its node's daemon waits for room to load {current[:12]} beside "
+                           "the weights it keeps for older engines (rollout.strategy Auto)")
+        else:
+            plan = rollout.plan(current, spec.rollout.max_unavailable,
+                                state.daemon_pods(cache), retiring)
+            why_evicted = (f"evicted so that the node's daemon loads {current[:12]} alone "
+                           "(rollout.strategy NodeByNode)")
         blocked: list[str] = []
         for pod in plan.evict_engines:
             generation = runs[pod.uid]
             why = await self._evict(
                 cache, pod.namespace, pod.name, pod.uid,
                 f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
-                f"{generation[:12]}: evicted so that the node's daemon loads {current[:12]} "
-                "alone (rollout.strategy NodeByNode)")
+                f"{generation[:12]}: {why_evicted}")
             if why:
                 blocked.append(f"{pod.namespace}/{pod.name}: {why}")
         for daemon in plan.evict_daemons:
@@ -668,7 +676,7 @@ class Reconciler:
                 blocked.append(f"{daemon.namespace}/{daemon.name}: {why}")
         if blocked:
             self._retry_evictions(state, cache)
-        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked))
+        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked), strategy)
 
     async def _evict(self, cache: views.CacheView, namespace: str, name: str, uid: str,
                      message: str) -> str | None:

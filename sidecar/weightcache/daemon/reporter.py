@@ -34,10 +34,12 @@ from weightcache.protocol import DaemonStatus
 from weightcache.report import (
     MAX_DEVICE_BYTES,
     MAX_MESSAGE_CHARS,
+    MAX_RETAINED_REPORTED,
     NODE_NAME_ENV,
     REPORT_VERSION,
     SPEC_HASH_ENV,
     DeviceReport,
+    RetainedReport,
     annotation_key,
     encode_report,
     rfc3339_now,
@@ -77,7 +79,21 @@ def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str,
         reported_at=now,
         load_phase=(status.phase or "") if status.state == "loading" else "",
         instance=instance,
+        retained=[
+            RetainedReport(spec_hash=r.spec_hash, fingerprint=r.fingerprint,
+                           preloaded_weights_bytes=min(r.bytes, MAX_DEVICE_BYTES),
+                           expected_bytes=min(r.expected_bytes, MAX_DEVICE_BYTES))
+            for r in status.retained[:MAX_RETAINED_REPORTED]
+        ],
+        retained_omitted=max(0, len(status.retained) - MAX_RETAINED_REPORTED),
+        memory_total_bytes=_bounded(status.memory_total_bytes),
+        memory_free_bytes=_bounded(status.memory_free_bytes),
+        waiting_for_room=status.waiting_for_room,
     )
+
+
+def _bounded(value: int | None) -> int | None:
+    return None if value is None else min(value, MAX_DEVICE_BYTES)
 
 
 def new_instance() -> str:
@@ -219,9 +235,22 @@ class PodReporter:
         )
 
 
+# Between status changes, a report is rewritten for its memory figures only when the free
+# memory moved by this much: the free memory of a busy device changes all the time.
+MEMORY_STEP = 1 << 30
+
+
 def _same_but_time(a: DeviceReport, b: DeviceReport | None) -> bool:
-    """Whether `b` already says what `a` says (only the timestamp may differ)."""
-    return b is not None and msgspec.structs.replace(a, reported_at=b.reported_at) == b
+    """Whether `b` already says what `a` says: only the timestamp may differ, and the free
+    memory by less than MEMORY_STEP (the total not at all)."""
+    if b is None:
+        return False
+    if (a.memory_free_bytes is None) != (b.memory_free_bytes is None) or (
+            a.memory_free_bytes is not None and b.memory_free_bytes is not None
+            and abs(a.memory_free_bytes - b.memory_free_bytes) >= MEMORY_STEP):
+        return False
+    return msgspec.structs.replace(a, reported_at=b.reported_at,
+                                   memory_free_bytes=b.memory_free_bytes) == b
 
 
 def _is_auth_error(exc: Exception) -> bool:

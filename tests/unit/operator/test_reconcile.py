@@ -17,6 +17,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from tests.unit.operator.builders import GIB, annotations, device_report
+from weightcache.report import RetainedReport
 from weightcache_operator import aggregate, gate, names, reconcile, render
 from weightcache_operator.policy import HostPaths, Policy
 from weightcache_operator.reconcile import Reconciler
@@ -867,10 +868,56 @@ def test_a_refused_eviction_holds_the_rollout_with_an_event_and_a_reason(
     assert progressing(kube.of("status")[-1]) == ("True", "RollingNodeByNode")
 
 
+SURGE = {**SPEC, "rollout": {"strategy": "Surge"}}
+
+
+def waiting_daemon(node: str, waiting: bool = True) -> DaemonPodView:
+    """The node's new daemon (the current generation), keeping OLD's weights for the
+    engines there; `waiting`: the new generation does not fit beside them."""
+    kept = RetainedReport(spec_hash=OLD, fingerprint="e" * 64, preloaded_weights_bytes=GIB,
+                          expected_bytes=GIB)
+    reports = annotations(device_report("cpu", DIGEST, node, state="Loading" if waiting
+                                        else "Ready", waiting_for_room=waiting, retained=[kept]))
+    return dataclasses.replace(daemon_pod(f"wc-{node}", reports=reports, node=node,
+                                          ready=not waiting), uid=f"uid-wc-{node}",
+                               containers_running=True)
+
+
 def test_a_surge_cache_evicts_nothing(kube: RecordingKube, reconciler: Reconciler) -> None:
-    world = state([cache()], [old_daemon("node-a")], engines=[old_engine("node-a")])
+    world = state([cache(spec=SURGE)], [old_daemon("node-a"), waiting_daemon("node-b")],
+                  engines=[old_engine("node-a"), old_engine("node-b")])
     run(reconciler.status(world, NS, NAME))
     assert kube.of("evict") == []
+
+
+def test_auto_evicts_old_engines_only_where_the_new_daemon_waits_for_room(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Issue 42 (rollout.make_room): node-a's new daemon cannot load beside the weights it
+    keeps for the old engines there; node-b's could. Only node-a's old engine goes, the
+    PodDisruptionBudget deciding; node-b's keeps serving from the kept weights."""
+    current = dataclasses.replace(engine(name="current-a", node="node-a"),
+                                  bindings={names.binding_key(NS, NAME): DIGEST})
+    world = state([cache()], [waiting_daemon("node-a"), waiting_daemon("node-b", False)],
+                  engines=[old_engine("node-a"), old_engine("node-b"), current])
+    kube.refuse["evict"] = 429
+    run(reconciler.status(world, NS, NAME))
+    (cond,) = [c for c in kube.of("status")[-1]["conditions"] if c["type"] == "Progressing"]
+    assert cond["reason"] == "EvictionBlocked"
+    assert cond["message"].startswith(f"making room: evicting {NS}/engine-node-a")
+    assert ("WeightCache", "EvictionBlocked") in kube.events
+    del kube.refuse["evict"]
+    run(reconciler.status(world, NS, NAME))
+    assert kube.of("evict") == [(NS, "engine-node-a", "uid-engine-node-a")]
+    assert progressing(kube.of("status")[-1]) == ("True", "MakingRoom")
+    # The old engine on node-b is judged by what its node's daemon keeps: still open.
+    run(reconciler.cache(world, NS, NAME))
+    assert kube.conditions["engine-node-b"].status == "True"
+    assert kube.conditions["engine-node-a"].status == "True"  # kept there too, until it goes
+    status = kube.of("status")[-1]
+    (gpu,) = next(n for n in status["nodes"] if n["name"] == "node-a")["gpus"]
+    assert gpu["waitingForRoom"] and gpu["retained"][0]["specHash"] == OLD
+    assert next(g for g in status["generations"] if g["fingerprint"] == OLD)["nodes"] == 2
 
 
 def test_a_cache_evicts_only_pods_it_gates_that_carry_its_own_binding(
