@@ -642,19 +642,29 @@ class Reconciler:
         strategy = spec.rollout.strategy
         if strategy == "Surge":
             return None
+        daemons = state.daemon_pods(cache)
+        nodes: list[str | None] = [None]  # NodeByNode: every node's engine pods
+        if strategy == "Auto":
+            # Only a loading daemon of the current generation can wait for room: in a
+            # settled fleet nothing is decoded and no engine pod is read.
+            daemons = [p for p in daemons if p.node and p.spec_hash == current
+                       and not p.ready and not p.terminating]
+            if not daemons:
+                return None
+            nodes = sorted({p.node for p in daemons})
         retiring: dict[str, list[views.EnginePodView]] = {}
         runs: dict[str, str] = {}
-        for pod, generation in _running_generations(state, cache, spec, current):
-            if generation != current and pod.node:
-                retiring.setdefault(pod.node, []).append(pod)
-                runs[pod.uid] = generation
+        for node in nodes:
+            for pod, generation in _running_generations(state, cache, spec, current, node):
+                if generation != current and pod.node:
+                    retiring.setdefault(pod.node, []).append(pod)
+                    runs[pod.uid] = generation
         if strategy == "Auto":
-            plan = rollout.make_room(current, state.daemon_pods(cache), retiring)
+            plan = rollout.make_room(current, daemons, retiring)
             why_evicted = (f"its node's daemon waits for room to load {current[:12]} beside "
                            "the weights it keeps for older engines (rollout.strategy Auto)")
         else:
-            plan = rollout.plan(current, spec.rollout.max_unavailable,
-                                state.daemon_pods(cache), retiring)
+            plan = rollout.plan(current, spec.rollout.max_unavailable, daemons, retiring)
             why_evicted = (f"evicted so that the node's daemon loads {current[:12]} alone "
                            "(rollout.strategy NodeByNode)")
         blocked: list[str] = []
@@ -806,13 +816,15 @@ def _selects(cache: views.CacheView, spec: WeightCacheSpec, pod: views.EnginePod
 
 
 def _running_generations(
-    state: State, cache: views.CacheView, spec: WeightCacheSpec, current: str
+    state: State, cache: views.CacheView, spec: WeightCacheSpec, current: str,
+    node: str | None = None,
 ) -> list[tuple[views.EnginePodView, str]]:
-    """The cache's engine pods that run something (not finished: an evicted pod stays until
-    it is collected), terminating ones included, each with the generation it is bound to;
-    a pod whose binding names none is left out (its gate says so; what it runs is unknown)."""
+    """The cache's engine pods (on `node`, if given) that run something (not finished: an
+    evicted pod stays until it is collected), terminating ones included, each with the
+    generation it is bound to; a pod whose binding names none is left out (its gate says
+    so; what it runs is unknown)."""
     out = []
-    for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
+    for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces, node):
         if pod.finished or not _selects(cache, spec, pod):
             continue
         try:
