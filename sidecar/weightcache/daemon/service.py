@@ -286,7 +286,9 @@ class Daemon:
                 # Re-adoption is over: what it did not take back is loaded otherwise.
                 self._phase = PHASE_LOADING
                 self._set_state("loading")
-                self._room.wait(planned_bytes(*disk), "the checkpoint layout")
+                if self._generations:  # else nothing could give room back: load
+                    self._progress.mark("checking for room beside the kept generations")
+                    self._room.wait(planned_bytes(*disk), "the checkpoint layout")
                 if self._stop.is_set():
                     log.info("stopped while waiting for room to load")
                     return 0  # the finally below releases what is held
