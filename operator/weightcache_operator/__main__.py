@@ -15,6 +15,8 @@ import argparse
 import logging
 import sys
 
+from .gate import CARRY_SECONDS
+
 
 def _run(args: argparse.Namespace) -> int:
     import kopf
@@ -31,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    memo = kopf.Memo(policy=policy)
+    memo = kopf.Memo(policy=policy, carry_seconds=args.carry_seconds)
     if args.webhook_port:
         if not (args.webhook_cert and args.webhook_key):
             print("weightcache-operator: --webhook-port needs --webhook-cert and --webhook-key",
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="serve the one-label pod webhook (HTTPS) on this port; 0 disables")
     run.add_argument("--webhook-cert", default="", help="the webhook's certificate (PEM)")
     run.add_argument("--webhook-key", default="", help="the webhook's private key (PEM)")
+    run.add_argument("--carry-seconds", type=float, default=CARRY_SECONDS,
+                     help="keep a replaced daemon pod's verdict (its node's engine gates) at "
+                     "most this long, until its successor says whether it took the weights "
+                     f"back (default {CARRY_SECONDS:g}; 0: never)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=_run)
     args = parser.parse_args(argv)
