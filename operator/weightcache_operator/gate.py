@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from weightcache.report import (
     PHASE_READOPTING,
@@ -218,6 +218,44 @@ def evaluate_node(
     verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds, bound)
                 for p in ordered]
     return next((v for v in verdicts if v.ok), verdicts[0])
+
+
+@dataclass(frozen=True)
+class ReportHistory:
+    """What the operator saw of one daemon pod's report annotations: its restart count, the
+    values seen at that count, and those seen before its last restart (a dead process's,
+    which stay on the pod until its successor overwrites them)."""
+
+    restarts: int
+    seen: frozenset[str]
+    stale: frozenset[str] = frozenset()
+
+
+# Report values remembered per pod and restart count before only the current ones are kept.
+MAX_SEEN_REPORTS = 256
+
+
+def fresh_reports(
+    pod: DaemonPodView, history: ReportHistory | None
+) -> tuple[DaemonPodView, ReportHistory]:
+    """The pod as it counts, without reports its containers' restart made stale, and the
+    history to keep. After a daemon process dies and kubelet restarts it in the same pod,
+    the dead process's report stays until its successor writes: kept weights (which count
+    without the pod being Ready) must not be judged by it. A pod first seen after the
+    restart cannot be told apart (None: every report counts)."""
+    values = frozenset(pod.reports.values())
+    if history is None:
+        return pod, ReportHistory(pod.restarts, values)
+    if pod.restarts > history.restarts:
+        history = ReportHistory(pod.restarts, frozenset(), history.stale | history.seen)
+    seen = history.seen | (values - history.stale)
+    if len(seen) > MAX_SEEN_REPORTS:
+        seen = values - history.stale
+    history = ReportHistory(history.restarts, seen, history.stale)
+    if not history.stale & values:
+        return pod, history
+    return replace(pod, reports={k: v for k, v in pod.reports.items()
+                                 if v not in history.stale}), history
 
 
 @dataclass(frozen=True)

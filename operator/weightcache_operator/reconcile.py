@@ -136,6 +136,8 @@ class Reconciler:
     # when it no longer does (gate.LastGood): a replaced daemon pod's verdict, carried. In
     # memory only: a restarted operator carries nothing it did not see hold itself.
     _good: dict[tuple[str, str, str], gate.LastGood] = field(default_factory=dict)
+    # Per daemon pod uid: its reports as seen by restart count (gate.fresh_reports).
+    _reports_seen: dict[str, gate.ReportHistory] = field(default_factory=dict)
     # Per daemon pod uid: its restart count when last seen Ready (a flap needs the same).
     _ready_restarts: dict[str, int] = field(default_factory=dict)
     # Per (cache uid, node, generation): the pass due when a flap's grace ends.
@@ -204,8 +206,15 @@ class Reconciler:
         judged = self._judged.get(key)
         if judged is not None and judged.holds_for(cache.generation, pods, now):
             return judged.verdict
+        if len(self._reports_seen) >= VERDICT_MEMO_LIMIT:
+            self._reports_seen.clear()
+        fresh = []
+        for pod in pods:
+            view, self._reports_seen[pod.uid] = gate.fresh_reports(
+                pod, self._reports_seen.get(pod.uid))
+            fresh.append(view)
         verdict = self._carry(key, gate.evaluate_node(
-            spec, digest, pods, now,
+            spec, digest, fresh, now,
             lambda p: p.uid in self._ready_restarts and self._ready_restarts[p.uid] == p.restarts,
             self.flap_seconds, bound=digest != current,
         ), pods, now)

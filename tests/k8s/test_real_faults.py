@@ -737,7 +737,7 @@ def test_a_daemonset_rollout_a_model_change_a_rollback_and_a_daemon_kill_close_n
     counts = record("daemonset rollout, model change, rollback, daemon kill", traffic, since,
                     until, before, after)
     assert counts["failed"] == counts["wrong"] == 0, traffic.failures(since, until)
-    assert counts["gate_closed"] == 0, traffic.gate_changes(since)
+    assert counts["gate_closed"] == 0, (traffic.gate_changes(since), gate_events(stack))
     assert counts["daemon_starts"] >= 4
     # The engines bound to the second generation still run it from the weights kept.
     assert {gate_of(p)[0] for p in stack.engine_pods()} == {"True"}
@@ -816,6 +816,19 @@ def test_node_by_node_under_a_memory_limit_holds_at_a_budget_and_kills_nothing(
     assert oom == [], oom
     assert int(daemon_limit(pod)) == limit  # it ran under the limit
     assert progressing()[0] != "EvictionBlocked"
+
+
+def gate_events(stack: Stack) -> list[str]:
+    """The operator's Warning events on engine pods (a gate closing, and why), in order."""
+    events = stack.api.core.list_namespaced_event(
+        stack.namespace, field_selector="involvedObject.kind=Pod,type=Warning").items
+    return [f"{e.last_timestamp} {e.involved_object.name} {e.reason}: {e.message}"
+            for e in sorted(events, key=lambda e: str(e.last_timestamp))
+            if e.reason in GATE_REASONS]
+
+
+GATE_REASONS = {"DaemonNotReady", "FingerprintMismatch", "NoDaemonOnNode", "BytesBelowExpected",
+                "ReportMalformed", "EvaluationFailed", "BindingInvalid"}
 
 
 def daemon_limit(pod: k8s.V1Pod) -> str:

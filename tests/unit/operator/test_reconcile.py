@@ -411,7 +411,7 @@ def catch_up(st: State, kube: RecordingKube, version: str = "2") -> None:
     st.caches[NS][0] = cache(status=kube.of("status")[-1], version=version)  # type: ignore[index]
     for key, (e,) in list(st.engine_pods_index.items()):
         st.engine_pods_index[key] = [  # type: ignore[index]
-            engine(kube.conditions.get(e.name), e.name, e.node, version)]
+            dataclasses.replace(e, gate=kube.conditions.get(e.name), resource_version=version)]
     labelled = {node for node, patch in kube.of("labels")
                 if patch.get(names.NODE_LABEL_PREFIX + LABEL)}
     for node in list(st.nodes):
@@ -1043,3 +1043,51 @@ def test_an_operator_remembers_what_holds_before_its_first_apply_replaces_daemon
     run(reconciler.cache(st, NS, NAME))
     assert kube.conditions["engine-1"].status == "True"
     assert "replaced (terminating)" in kube.conditions["engine-1"].message
+
+
+def test_a_killed_daemon_keeping_old_weights_closes_no_gate_and_its_dead_report_opens_none(
+    kube: RecordingKube,
+) -> None:
+    """The daemon pod keeps the old generation for the engines bound to it and is SIGKILLed:
+    kubelet restarts it in the same pod, where the dead process's report (still listing the
+    kept weights) stays until its successor writes. That report must neither count as the
+    successor's (it would open, then the successor's first report close, the gate) nor
+    close anything: the verdict is carried until the successor keeps the weights again."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0)
+    kept = RetainedReport(spec_hash=OLD, fingerprint="e" * 64, preloaded_weights_bytes=GIB,
+                          expected_bytes=GIB)
+
+    def reports(instance: str, **fields: Any) -> dict[str, str]:
+        return annotations(device_report("cpu", DIGEST, transport="memfd", instance=instance,
+                                         **fields))
+
+    alive = dataclasses.replace(
+        daemon_pod(reports=reports("a" * 16, retained=[kept])), uid="pod-uid",
+        containers_running=True)
+    old_engine_pod = dataclasses.replace(engine(name="old"), bindings={
+        names.binding_key(NS, NAME): OLD})
+    st = state(pods=[alive], engines=[old_engine_pod])
+    steps = [
+        dataclasses.replace(alive, ready=False, containers_running=False),  # killed
+        dataclasses.replace(alive, ready=False, restarts=1),  # restarted, its report stale
+        dataclasses.replace(alive, ready=False, restarts=1, reports=reports(
+            "b" * 16, state="Loading", load_phase="re-adopting")),
+        dataclasses.replace(alive, ready=False, restarts=1, reports=reports(
+            "b" * 16, state="Loading", load_phase="loading", retained=[kept])),
+    ]
+
+    async def kill() -> None:
+        await reconciler.cache(st, NS, NAME)
+        catch_up(st, kube)
+        for pod in steps:
+            st.daemon_pods_index[(NS, NAME, NODE)] = [pod]  # type: ignore[index]
+            await reconciler.daemon_pod(st, NS, NAME, NODE)
+            await reconciler.flush()
+            messages.append(kube.conditions["old"].message)
+
+    messages: list[str] = []
+    run(kill())
+    assert {g[1] for g in kube.of("gate") if g[0] == "old"} == {"True"}, (kube.of("gate"), messages)
+    # Killed, restarted and re-adopting: carried; keeping the weights again: its own.
+    assert ["replaced" in m for m in messages] == [True, True, True, False], messages
+    assert "keep" in messages[-1]
