@@ -47,9 +47,12 @@ def engine_deployment(
     labels: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     memory_limit: str = "1536Mi",
+    annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """`labels`: what the pods carry besides `app: <name>` (the cache's engine selector);
-    `extra_args` go to the engine's command line."""
+    `extra_args` go to the engine's command line; `annotations`: the pods' (a binding to
+    the generation they run, `weights.weightcache.dev/<namespace>.<name>`, as the webhook
+    would write it)."""
     cache_dir = f"{namespace}.{cache}"
     host_dir = socket_root / cache_dir
     mount = f"/run/weightcache/{cache_dir}"
@@ -125,7 +128,8 @@ def engine_deployment(
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": {**(labels or {}), **selector, GATED_LABEL: "true",
-                                        "version": version}},
+                                        "version": version},
+                             **({"annotations": dict(annotations)} if annotations else {})},
                 "spec": pod,
             },
         },

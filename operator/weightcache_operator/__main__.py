@@ -1,7 +1,7 @@
 """`python -m weightcache_operator run`: run the operator; `... webhook`: serve the webhook.
 
     python -m weightcache_operator run [--metrics-port 8080]
-        [--liveness http://0.0.0.0:8081/healthz]
+        [--liveness http://0.0.0.0:8081/healthz] [--carry-seconds 120]
     python -m weightcache_operator webhook --port 9443 --cert tls.crt --key tls.key
 
 The two run apart (the chart's operator Deployment and webhook Deployment), so
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
+from .gate import CARRY_SECONDS
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -34,7 +36,7 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    memo = kopf.Memo(policy=policy)
+    memo = kopf.Memo(policy=policy, carry_seconds=args.carry_seconds)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     kopf.run(
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--metrics-addr", default="0.0.0.0")
     run.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
                      help="kopf liveness endpoint URL; empty disables")
+    run.add_argument("--carry-seconds", type=float, default=CARRY_SECONDS,
+                     help="keep a replaced daemon pod's verdict (its node's engine gates) at "
+                     "most this long, until its successor says whether it took the weights "
+                     f"back (default {CARRY_SECONDS:g}; 0: never)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=_run)
     hook = sub.add_parser("webhook", help="serve the mutating admission webhook (HTTPS)")

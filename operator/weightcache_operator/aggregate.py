@@ -250,17 +250,27 @@ def held_generation(verdict: gate.Verdict) -> str | None:
     return next(iter(hashes)) or None
 
 
+def held_generations(verdict: gate.Verdict) -> set[str]:
+    """Every generation a node's deciding daemon pod holds: its own (`held_generation`) and
+    those every device of it keeps beside it (`retained`)."""
+    reports = list((verdict.reports or {}).values())
+    own = held_generation(verdict)
+    kept = set.intersection(*({r.spec_hash for r in e.retained if r.spec_hash}
+                              for e in reports)) if reports else set()
+    return kept | ({own} if own else set())
+
+
 def generation_entries(
     spec_hash: str, verdicts: Mapping[str, gate.Verdict], bound: Mapping[str, int]
 ) -> list[dict[str, Any]]:
-    """Per generation: whether it is the spec's, on how many nodes a daemon holds it, and
+    """Per generation: whether it is the spec's, on how many nodes a daemon holds it (as its
+    own, or kept beside it), and
     how many engine pods are bound to it (why a retiring one is still wanted). The current
     one first, then those daemons hold (most nodes first), then by engine pods: every one,
     the status lists the first `MAX_STATUS_GENERATIONS`."""
     held: dict[str, int] = defaultdict(int)
     for verdict in verdicts.values():
-        g = held_generation(verdict)
-        if g is not None:
+        for g in held_generations(verdict):
             held[g] += 1
     hashes = {spec_hash, *held, *(g for g, n in bound.items() if n > 0)}
     ordered = sorted(hashes, key=lambda g: (g != spec_hash, -held.get(g, 0),
@@ -276,10 +286,17 @@ def _progressing_condition(
 ) -> dict[str, Any]:
     if observed != generation:
         return condition("Progressing", True, "Applying", f"applying generation {generation}")
+    by = "making room" if rollout is not None and rollout.strategy == "Auto" else "node by node"
     if rollout is not None and rollout.blocked:
         more = f" (and {len(rollout.blocked) - 1} more)" if len(rollout.blocked) > 1 else ""
         return condition("Progressing", True, node_rollout.EVICTION_BLOCKED,
-                         f"node by node: evicting {rollout.blocked[0]}{more}")
+                         f"{by}: evicting {rollout.blocked[0]}{more}")
+    if rollout is not None and rollout.active and rollout.strategy == "Auto":
+        shown = ", ".join(rollout.rolling[:5]) + (", …" if len(rollout.rolling) > 5 else "")
+        return condition("Progressing", True, node_rollout.MAKING_ROOM,
+                         f"making room: the new generation waits for room on "
+                         f"{len(rollout.rolling)} node(s) ({shown}); engine pods there on "
+                         "older generations are evicted")
     if rollout is not None and rollout.active:
         shown = ", ".join(rollout.rolling[:5]) + (", …" if len(rollout.rolling) > 5 else "")
         return condition("Progressing", True, node_rollout.ROLLING_NODE_BY_NODE,
@@ -340,6 +357,16 @@ def _node_entry(spec: WeightCacheSpec, node: str, verdict: gate.Verdict) -> dict
                 entry["loadSource"] = g.load_source
             if g.seeded_from:
                 entry["seededFrom"] = g.seeded_from
+            if g.memory_total_bytes is not None:
+                entry["memoryTotalBytes"] = g.memory_total_bytes
+            if g.memory_free_bytes is not None:
+                entry["memoryFreeBytes"] = g.memory_free_bytes
+            if g.waiting_for_room:
+                entry["waitingForRoom"] = True
+            if g.retained:
+                entry["retained"] = [{"specHash": r.spec_hash, "fingerprint": r.fingerprint,
+                                      "preloadedWeightsBytes": r.preloaded_weights_bytes}
+                                     for r in g.retained]
             gpus.append(entry)
     entry: dict[str, Any] = {
         "name": node,

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from weightcache.report import DeviceReport, ReportError, decode_pod_reports
+from weightcache.report import (
+    PHASE_READOPTING,
+    DeviceReport,
+    ReportError,
+    RetainedReport,
+    decode_pod_reports,
+)
 
 from .spec import WeightCacheSpec
 from .views import Condition, DaemonPodView, DaemonSetView
@@ -33,6 +39,16 @@ BINDING_INVALID = "BindingInvalid"
 # while a daemon that stays NotReady closes them 30 s later. A restart, a report that is no
 # longer Ready, or a pod that never was Ready gets no grace.
 FLAP_SECONDS = 30.0
+
+# A daemon pod replaced (deleted, evicted, rolled by its DaemonSet, its process killed and
+# restarted) leaves its node's engines mapping the weights it served: with an fd transport
+# the memory lives while any engine maps it, and the engines keep answering. Until the
+# successor says whether it took those weights back, its node keeps the replaced pod's
+# verdict, for at most this long (a node that died, or a successor that never reports, is
+# judged on its own after it).
+CARRY_SECONDS = 120.0
+# Transports whose memory outlives the daemon (torch_ipc's dies with it: engines fail-stop).
+CARRIED_TRANSPORTS = frozenset({"vmm_fd", "memfd"})
 
 # A generation is named by its spec hash (spec.spec_hash), as daemons report it.
 SPEC_HASH_RE = re.compile(r"[0-9a-f]{64}")
@@ -115,8 +131,14 @@ def evaluate_pod(
                 REPORT_MALFORMED,
                 f"{device} reports node {entry.node!r}, but the pod runs on {pod.node!r}",
             )
-    for entry in reports.values():
-        if entry.spec_hash != spec_hash:
+    # Each device holds the generation as its current weights, or kept beside them
+    # (`retained`: taken back from the engines that map them, daemon/generations.py).
+    kept: dict[str, RetainedReport] = {}
+    for device, entry in sorted(reports.items()):
+        if entry.spec_hash == spec_hash:
+            continue
+        held = entry.holding(spec_hash)
+        if held is None:
             return fail(
                 FINGERPRINT_MISMATCH,
                 f"holds weights for spec {entry.spec_hash[:12] or '<none>'}, "
@@ -124,23 +146,39 @@ def evaluate_pod(
                    f"the WeightCache wants {spec_hash[:12]}"),
                 reports,
             )
+        kept[device] = held
     slots = (pod.slots or spec.slots) if bound else spec.slots
     if len(reports) < slots:
         return fail(DAEMON_NOT_READY, f"{len(reports)} of {slots} GPUs reported", reports)
     for device, entry in sorted(reports.items()):
-        if entry.state != "Ready":
+        if device not in kept and entry.state != "Ready":
             detail = f": {entry.message}" if entry.message else ""
             return fail(DAEMON_NOT_READY, f"{device} is {entry.state}{detail}", reports)
     tolerance = spec.engine.byte_tolerance
     for device, entry in sorted(reports.items()):
-        want = entry.expected_bytes if bound else expected_bytes(spec, entry.expected_bytes)
-        if entry.preloaded_weights_bytes < want * (1 - tolerance):
+        held_bytes, reported = entry.preloaded_weights_bytes, entry.expected_bytes
+        if device in kept:
+            held_bytes, reported = kept[device].preloaded_weights_bytes, kept[device].expected_bytes
+        want = reported if bound else expected_bytes(spec, reported)
+        if held_bytes < want * (1 - tolerance):
             return fail(
                 BYTES_BELOW_EXPECTED,
-                f"{device} holds {entry.preloaded_weights_bytes} bytes, expected {want} "
+                f"{device} holds {held_bytes} bytes, expected {want} "
                 f"(tolerance {tolerance:g})",
                 reports,
             )
+    if kept and len(kept) == len(reports):
+        # Kept weights are served whatever the pod's readiness says (that is the current
+        # generation's load, which may wait for room): its processes must run.
+        if pod.phase != "Running" or not pod.containers_running:
+            return fail(DAEMON_NOT_READY, f"pod is not running (phase {pod.phase})", reports)
+        total = sum(k.preloaded_weights_bytes for k in kept.values())
+        return Verdict(
+            True, WEIGHTS_RESIDENT,
+            f"daemon pod {pod.name}: {len(kept)} device(s) keep {total} bytes of "
+            f"{spec_hash[:12]} beside {next(iter(reports.values())).spec_hash[:12]}",
+            pod.name, reports,
+        )
     if pod.phase != "Running" or not pod.ready:
         since = pod.not_ready_since
         if (was_ready and now is not None and since is not None and pod.phase == "Running"
@@ -180,6 +218,144 @@ def evaluate_node(
     verdicts = [evaluate_pod(spec, spec_hash, p, now, was_ready(p), flap_seconds, bound)
                 for p in ordered]
     return next((v for v in verdicts if v.ok), verdicts[0])
+
+
+@dataclass(frozen=True)
+class ReportHistory:
+    """What the operator saw of one daemon pod's report annotations: its restart count, the
+    values seen at that count, and those seen before its last restart (a dead process's,
+    which stay on the pod until its successor overwrites them)."""
+
+    restarts: int
+    seen: frozenset[str]
+    stale: frozenset[str] = frozenset()
+
+
+# Report values remembered per pod and restart count before only the current ones are kept.
+MAX_SEEN_REPORTS = 256
+
+
+def fresh_reports(
+    pod: DaemonPodView, history: ReportHistory | None
+) -> tuple[DaemonPodView, ReportHistory]:
+    """The pod as it counts, without reports its containers' restart made stale, and the
+    history to keep. After a daemon process dies and kubelet restarts it in the same pod,
+    the dead process's report stays until its successor writes: kept weights (which count
+    without the pod being Ready) must not be judged by it. A pod first seen after the
+    restart cannot be told apart (None: every report counts)."""
+    values = frozenset(pod.reports.values())
+    if history is None:
+        return pod, ReportHistory(pod.restarts, values)
+    if pod.restarts > history.restarts:
+        history = ReportHistory(pod.restarts, frozenset(), history.stale | history.seen)
+    seen = history.seen | (values - history.stale)
+    if len(seen) > MAX_SEEN_REPORTS:
+        seen = values - history.stale
+    history = ReportHistory(history.restarts, seen, history.stale)
+    if not history.stale & values:
+        return pod, history
+    return replace(pod, reports={k: v for k, v in pod.reports.items()
+                                 if v not in history.stale}), history
+
+
+@dataclass(frozen=True)
+class LastGood:
+    """A node's last verdict that held, for one generation: the pod that gave it, as it was
+    then (its uid and restart count name the process), and since when it no longer holds
+    (None while it does): what the carry carries."""
+
+    pod_uid: str
+    pod_name: str
+    restarts: int
+    message: str
+    reports: Mapping[str, DeviceReport]
+    since: float | None = None
+
+
+def last_good(verdict: Verdict, pods: Iterable[DaemonPodView]) -> LastGood | None:
+    """What to remember of a verdict that holds (None: nothing that can be carried)."""
+    if not verdict.ok or verdict.pod is None or not verdict.reports:
+        return None
+    pod = next((p for p in pods if p.name == verdict.pod), None)
+    if pod is None or not pod.uid:
+        return None
+    return LastGood(pod.uid, pod.name, pod.restarts, verdict.message, verdict.reports)
+
+
+def carried(
+    failed: Verdict, spec_hash: str, pods: Iterable[DaemonPodView], last: LastGood,
+    now: float, carry_seconds: float = CARRY_SECONDS,
+) -> Verdict | None:
+    """The replaced pod's verdict, carried while its successor has not decided (None: the
+    node is judged on its own: `failed` stands).
+
+    Carried only when every condition holds:
+    - the weights outlive the daemon (an fd transport, `CARRIED_TRANSPORTS`);
+    - the pod that gave `last` is replaced: gone, terminating, its process restarted, or
+      not running (killed, not restarted yet), not merely NotReady (the flap's case);
+    - no successor decided against the generation: each daemon pod on the node that is not
+      terminating has no report yet, or reports per device that it re-adopts still
+      (`loadPhase` re-adopting), that it took the weights back (re-adopted, Loading or
+      Ready, for this generation), or keeps them (`retained`). A successor that loads
+      them otherwise (from disk, a neighbour), keeps no such weights, errs, or whose report
+      is unreadable ends the carry: it did not take back what the engines map;
+    - less than `carry_seconds` since the verdict stopped holding (`last.since`).
+    """
+    since = now if last.since is None else last.since
+    if now - since >= carry_seconds:
+        return None
+    if not {r.transport for r in last.reports.values()} <= CARRIED_TRANSPORTS:
+        return None
+    pods = list(pods)
+    old = next((p for p in pods if p.uid == last.pod_uid), None)
+    if old is None:
+        how = "gone"
+    elif old.terminating:
+        how = "terminating"
+    elif old.restarts > last.restarts or not old.containers_running:
+        how = "its daemon process restarted"
+    else:
+        return None  # the same process, failing on its own: nothing was replaced
+    # The replaced process's own reports stay on its pod until its successor writes.
+    stale = {r.instance for r in last.reports.values() if r.instance}
+    for pod in pods:
+        if pod.terminating:
+            continue
+        if not _undecided(pod, spec_hash, stale):
+            return None
+    return Verdict(
+        True, WEIGHTS_RESIDENT,
+        f"daemon pod {last.pod_name} replaced ({how}); the engines still map the weights it "
+        f"served, so its verdict holds until its successor says whether it took them back "
+        f"(at most {carry_seconds:g} s): {last.message}",
+        last.pod_name, last.reports, until=since + carry_seconds,
+    )
+
+
+def _undecided(pod: DaemonPodView, spec_hash: str, stale: set[str]) -> bool:
+    """Whether a successor daemon pod has not decided against generation `spec_hash`
+    (`stale`: the replaced processes' report instances, which say nothing of it)."""
+    if pod.report_error is not None:
+        return False
+    if not pod.reports:
+        return True
+    try:
+        reports = decode_pod_reports(pod.reports)
+    except ReportError:
+        return False
+    for entry in reports.values():
+        if entry.instance in stale:
+            continue
+        if entry.node != pod.node or entry.state == "Error":
+            return False
+        if entry.holding(spec_hash) is not None:
+            continue  # taken back and kept beside its own generation
+        if entry.state == "Loading" and entry.load_phase == PHASE_READOPTING:
+            continue
+        if entry.spec_hash == spec_hash and entry.readopted:
+            continue  # taken back: its pod turns Ready soon (its own verdict then holds)
+        return False
+    return True
 
 
 def bound_generation(binding: str | None, current: str) -> str:

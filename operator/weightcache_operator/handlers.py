@@ -24,7 +24,7 @@ import kopf
 
 from weightcache.kubeclient import api_client
 
-from . import metrics, names, podwatch, views
+from . import gate, metrics, names, podwatch, views
 from .kube import Kube
 from .policy import policy_from_env
 from .reconcile import Reconciler
@@ -113,7 +113,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.label_selectors["v1", "pods"] = DAEMON_POD_SELECTOR
     if "reconciler" not in memo:
         policy = memo.policy if "policy" in memo else policy_from_env()
-        memo.reconciler = Reconciler(Kube(api_client()), policy, os.getuid())
+        carry = memo.carry_seconds if "carry_seconds" in memo else gate.CARRY_SECONDS
+        memo.reconciler = Reconciler(Kube(api_client()), policy, os.getuid(),
+                                     carry_seconds=carry)
 
 
 @kopf.on.startup()

@@ -27,6 +27,7 @@ calls them with a recording `Kube` and plain-dict indices.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -126,12 +127,21 @@ class Reconciler:
     status_interval: float = STATUS_INTERVAL
     # A NotReady daemon pod whose reports still hold keeps its gates this long (gate.py).
     flap_seconds: float = gate.FLAP_SECONDS
+    # A replaced daemon pod's verdict is carried until its successor decides, this long at
+    # most (gate.carried).
+    carry_seconds: float = gate.CARRY_SECONDS
     clock: Callable[[], float] = time.time
     # Per (uid, generation): the parsed spec and hash, and the rendered DaemonSet.
     _parsed: dict[tuple[str, int], Parsed | SpecError] = field(default_factory=dict)
     _rendered: dict[tuple[str, int], Rendered | render.RenderError] = field(default_factory=dict)
     # Per (cache uid, node, generation wanted): the node's last verdict.
     _judged: dict[tuple[str, str, str], _Judged] = field(default_factory=dict)
+    # Per (cache uid, node, generation wanted): the node's last verdict that held, and since
+    # when it no longer does (gate.LastGood): a replaced daemon pod's verdict, carried. In
+    # memory only: a restarted operator carries nothing it did not see hold itself.
+    _good: dict[tuple[str, str, str], gate.LastGood] = field(default_factory=dict)
+    # Per daemon pod uid: its reports as seen by restart count (gate.fresh_reports).
+    _reports_seen: dict[str, gate.ReportHistory] = field(default_factory=dict)
     # Per daemon pod uid: its restart count when last seen Ready (a flap needs the same).
     _ready_restarts: dict[str, int] = field(default_factory=dict)
     # Per (cache uid, node, generation): the pass due when a flap's grace ends.
@@ -200,17 +210,64 @@ class Reconciler:
         judged = self._judged.get(key)
         if judged is not None and judged.holds_for(cache.generation, pods, now):
             return judged.verdict
-        verdict = gate.evaluate_node(
-            spec, digest, pods, now,
+        if len(self._reports_seen) >= VERDICT_MEMO_LIMIT:
+            self._reports_seen.clear()
+        fresh = []
+        for pod in pods:
+            view, self._reports_seen[pod.uid] = gate.fresh_reports(
+                pod, self._reports_seen.get(pod.uid))
+            fresh.append(view)
+        verdict = self._carry(key, gate.evaluate_node(
+            spec, digest, fresh, now,
             lambda p: p.uid in self._ready_restarts and self._ready_restarts[p.uid] == p.restarts,
             self.flap_seconds, bound=digest != current,
-        )
+        ), pods, now)
         if len(self._judged) >= VERDICT_MEMO_LIMIT:
             self._judged.clear()
         self._judged[key] = _Judged(cache.generation, tuple(pods), verdict)
         if verdict.until is not None:
             self._recheck_at(state, cache, node, digest, verdict.until - now)
         return verdict
+
+    def _carry(self, key: tuple[str, str, str], verdict: gate.Verdict,
+               pods: list[views.DaemonPodView], now: float) -> gate.Verdict:
+        """The node's verdict, or the verdict of the daemon pod that was just replaced there,
+        carried until its successor decides (gate.carried); remembers what holds."""
+        if verdict.ok:
+            good = gate.last_good(verdict, pods)
+            if len(self._good) >= VERDICT_MEMO_LIMIT:
+                self._good.clear()
+            if good is None:
+                self._good.pop(key, None)
+            else:
+                self._good[key] = good
+            return verdict
+        last = self._good.get(key)
+        if last is None:
+            return verdict
+        if last.since is None:
+            last = self._good[key] = dataclasses.replace(last, since=now)
+        held = gate.carried(verdict, key[2], pods, last, now, self.carry_seconds)
+        if held is None:
+            del self._good[key]  # decided, or too long: judged on its own from now on
+            return verdict
+        return held
+
+    def note_verdicts(self, state: State, cache: views.CacheView) -> None:
+        """Judge every node of the cache, for its generation and every one its engine pods
+        are bound to, so that what holds now is remembered (and carried) before a change of
+        ours replaces daemon pods (a new operator's first apply)."""
+        parsed = self.parsed(cache)
+        if isinstance(parsed, SpecError):
+            return
+        spec, current = parsed
+        wanted: dict[str, set[str]] = {}
+        for pod, generation in _running_generations(state, cache, spec, current):
+            if pod.node:
+                wanted.setdefault(pod.node, set()).add(generation)
+        for node in sorted({p.node for p in state.daemon_pods(cache) if p.node}):
+            for generation in sorted(wanted.get(node, set()) | {current}):
+                self.verdict(state, cache, node, None if generation == current else generation)
 
     def _recheck_at(self, state: State, cache: views.CacheView, node: str, generation: str,
                     delay: float) -> None:
@@ -271,6 +328,9 @@ class Reconciler:
                 and current.template_shape == shape
                 and current.applied_generation == cache.generation):
             return
+        # A new template replaces daemon pods: what holds now must be known first, to be
+        # carried through the replacement (an operator that just started judged nothing).
+        self.note_verdicts(state, cache)
         if current is not None and current.template_shape not in {*current.shapes, shape}:
             await self._restore_template(cache, current, template)
         manifest = {**manifest, "metadata": {**manifest["metadata"], "annotations": {
@@ -536,6 +596,8 @@ class Reconciler:
         self.announced.pop(uid, None)
         for key in [k for k in self._judged if k[0] == uid]:
             del self._judged[key]
+        for key in [k for k in self._good if k[0] == uid]:
+            del self._good[key]
 
     async def orphan_labels(self, state: State) -> None:
         """Labels of caches that no longer exist anywhere (e.g. a finalizer removed by hand)."""
@@ -569,8 +631,12 @@ class Reconciler:
                       else aggregate.RENDER_FAILED)
             return aggregate.error_status(cache.generation, old, reason, str(rendered), now)
         spec, digest = parsed
-        scheduled = sorted({p.node for p in state.daemon_pods(cache) if p.node})
-        verdicts = {node: self.verdict(state, cache, node) for node in scheduled}
+        scheduled = {p.node for p in state.daemon_pods(cache) if p.node}
+        # A node between a replaced daemon pod and its successor has none: its carried
+        # verdict still counts.
+        scheduled |= {k[1] for k, good in self._good.items()
+                      if k[0] == cache.uid and k[2] == digest and good.since is not None}
+        verdicts = {node: self.verdict(state, cache, node) for node in sorted(scheduled)}
         previous = self.announced.get(cache.uid)
         if previous is None:
             # First status since start: what the stored status lists was
@@ -606,30 +672,48 @@ class Reconciler:
 
     async def _roll_nodes(self, state: State, cache: views.CacheView
                           ) -> rollout.Progress | None:
-        """A NodeByNode cache's evictions for this pass (rollout.py decides which); None for
-        a Surge cache, where the DaemonSet controller replaces the daemons itself."""
+        """The evictions of a NodeByNode or Auto cache for this pass (rollout.py decides
+        which); None for a Surge cache, where the DaemonSet controller replaces the daemons
+        and nothing is evicted."""
         parsed = self.parsed(cache)
         if isinstance(parsed, SpecError) or cache.deleting:
             return None
         spec, current = parsed
-        if spec.rollout.strategy != "NodeByNode":
+        strategy = spec.rollout.strategy
+        if strategy == "Surge":
             return None
+        daemons = state.daemon_pods(cache)
+        nodes: list[str | None] = [None]  # NodeByNode: every node's engine pods
+        if strategy == "Auto":
+            # Only a loading daemon of the current generation can wait for room: in a
+            # settled fleet nothing is decoded and no engine pod is read.
+            daemons = [p for p in daemons if p.node and p.spec_hash == current
+                       and not p.ready and not p.terminating]
+            if not daemons:
+                return None
+            nodes = sorted({p.node for p in daemons})
         retiring: dict[str, list[views.EnginePodView]] = {}
         runs: dict[str, str] = {}
-        for pod, generation in _running_generations(state, cache, spec, current):
-            if generation != current and pod.node:
-                retiring.setdefault(pod.node, []).append(pod)
-                runs[pod.uid] = generation
-        plan = rollout.plan(current, spec.rollout.max_unavailable, state.daemon_pods(cache),
-                            retiring)
+        for node in nodes:
+            for pod, generation in _running_generations(state, cache, spec, current, node):
+                if generation != current and pod.node:
+                    retiring.setdefault(pod.node, []).append(pod)
+                    runs[pod.uid] = generation
+        if strategy == "Auto":
+            plan = rollout.make_room(current, daemons, retiring)
+            why_evicted = (f"its node's daemon waits for room to load {current[:12]} beside "
+                           "the weights it keeps for older engines (rollout.strategy Auto)")
+        else:
+            plan = rollout.plan(current, spec.rollout.max_unavailable, daemons, retiring)
+            why_evicted = (f"evicted so that the node's daemon loads {current[:12]} alone "
+                           "(rollout.strategy NodeByNode)")
         blocked: list[str] = []
         for pod in plan.evict_engines:
             generation = runs[pod.uid]
             why = await self._evict(
                 cache, pod.namespace, pod.name, pod.uid,
                 f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
-                f"{generation[:12]}: evicted so that the node's daemon loads {current[:12]} "
-                "alone (rollout.strategy NodeByNode)")
+                f"{generation[:12]}: {why_evicted}")
             if why:
                 blocked.append(f"{pod.namespace}/{pod.name}: {why}")
         for daemon in plan.evict_daemons:
@@ -642,7 +726,7 @@ class Reconciler:
                 blocked.append(f"{daemon.namespace}/{daemon.name}: {why}")
         if blocked:
             self._retry_evictions(state, cache)
-        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked))
+        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked), strategy)
 
     async def _evict(self, cache: views.CacheView, namespace: str, name: str, uid: str,
                      message: str) -> str | None:
@@ -772,13 +856,15 @@ def _selects(cache: views.CacheView, spec: WeightCacheSpec, pod: views.EnginePod
 
 
 def _running_generations(
-    state: State, cache: views.CacheView, spec: WeightCacheSpec, current: str
+    state: State, cache: views.CacheView, spec: WeightCacheSpec, current: str,
+    node: str | None = None,
 ) -> list[tuple[views.EnginePodView, str]]:
-    """The cache's engine pods that run something (not finished: an evicted pod stays until
-    it is collected), terminating ones included, each with the generation it is bound to;
-    a pod whose binding names none is left out (its gate says so; what it runs is unknown)."""
+    """The cache's engine pods (on `node`, if given) that run something (not finished: an
+    evicted pod stays until it is collected), terminating ones included, each with the
+    generation it is bound to; a pod whose binding names none is left out (its gate says
+    so; what it runs is unknown)."""
     out = []
-    for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces):
+    for pod in state.engine_pods_of(cache.namespace, cache.name, spec.engine.namespaces, node):
         if pod.finished or not _selects(cache, spec, pod):
             continue
         try:

@@ -62,8 +62,8 @@ def render_hash(manifest: dict[str, Any]) -> str:
 
 def update_strategy(spec: WeightCacheSpec) -> dict[str, Any]:
     """How the DaemonSet replaces its pods when the weights change: itself, at
-    `maxUnavailable` (Surge), or never (NodeByNode: the operator evicts each node's daemon
-    pod once the engines there that run older weights are gone, rollout.py)."""
+    `maxUnavailable` (Auto, Surge), or never (NodeByNode: the operator evicts each node's
+    daemon pod once the engines there that run older weights are gone, rollout.py)."""
     if spec.rollout.strategy == "NodeByNode":
         return {"type": "OnDelete"}
     return {"type": "RollingUpdate",
@@ -253,6 +253,10 @@ def _daemon_container(
         args += ["--allow-uid", str(uid)]
     for gid in sorted(set(spec.sidecar.allowed_peers.gids)):
         args += ["--allow-gid", str(gid)]
+    if spec.rollout.strategy != "Auto":
+        # Surge loads beside kept generations regardless; NodeByNode made room first (an
+        # unbound engine it leaves must not hold its node's new daemon back).
+        args += ["--rollout", "surge"]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
     if spec.model.dtype != "auto":

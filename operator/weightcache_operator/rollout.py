@@ -1,4 +1,13 @@
-"""A model rollout node by node (`spec.rollout.strategy: NodeByNode`): what to evict now.
+"""Model rollouts the operator drives: what to evict now.
+
+`make_room` (`spec.rollout.strategy: Auto`): the DaemonSet replaces each node's
+daemon; the new one keeps the old weights the engines there map and loads the
+new generation beside them where the device has room. Where it has not, it
+reports `waitingForRoom`, and the engine pods on that node bound to an older
+generation are evicted (the Eviction API: PodDisruptionBudgets decide): once
+no engine holds the old weights, the daemon drops them (30 s later) and loads.
+
+`plan` (`NodeByNode`) follows.
 
 For GPUs that cannot hold two generations: a node's daemon pod of an older
 generation is replaced only once no engine pod there still runs an older
@@ -30,12 +39,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from weightcache.report import ReportError, decode_pod_reports
+
 from .views import DaemonPodView, EnginePodView
 
 # Event reasons on the cache, and the Progressing reasons while a rollout runs.
 EVICTED = "Evicted"
 EVICTION_BLOCKED = "EvictionBlocked"
 ROLLING_NODE_BY_NODE = "RollingNodeByNode"
+MAKING_ROOM = "MakingRoom"
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,8 @@ class Progress:
     waiting: int = 0
     # The pass's refused evictions ("namespace/name: why").
     blocked: tuple[str, ...] = ()
+    # The strategy that drives it: NodeByNode, or Auto (making room where daemons wait).
+    strategy: str = "NodeByNode"
 
     @property
     def active(self) -> bool:
@@ -122,3 +136,29 @@ def plan(
         rolling=tuple(sorted({*in_flight, *started})),
         waiting=len(candidates) - len(started),
     )
+
+
+def waits_for_room(pod: DaemonPodView) -> bool:
+    """Whether a daemon pod reports, for any of its devices, that its generation waits for
+    room beside kept ones (an unreadable report says nothing)."""
+    try:
+        return any(r.waiting_for_room for r in decode_pod_reports(pod.reports).values())
+    except ReportError:
+        return False
+
+
+def make_room(
+    current: str,
+    daemon_pods: Sequence[DaemonPodView],
+    retiring: Mapping[str, Sequence[EnginePodView]],
+) -> Plan:
+    """Auto's evictions of one pass: on each node whose daemon pod of the `current`
+    generation (alive, the cache's own) waits for room, every engine pod there bound to an
+    older generation and not terminating yet. `rolling`: those nodes, by name."""
+    nodes = sorted({p.node for p in daemon_pods
+                    if p.node and not p.terminating and p.spec_hash == current
+                    and waits_for_room(p)})
+    evict = [e for node in nodes
+             for e in sorted(retiring.get(node, ()), key=lambda e: (e.namespace, e.name))
+             if not e.terminating]
+    return Plan(evict_engines=tuple(evict), rolling=tuple(nodes))

@@ -26,7 +26,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 GpuAccessMode = Literal["visible-devices", "device-plugin", "dra"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 SelectorOperator = Literal["In", "NotIn", "Exists", "DoesNotExist"]
-RolloutStrategy = Literal["Surge", "NodeByNode"]
+RolloutStrategy = Literal["Auto", "Surge", "NodeByNode"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 DEVICES: tuple[str, ...] = get_args(Device)
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -183,10 +183,13 @@ class RolloutSpec(_Spec):
     # Nodes whose daemons are replaced at once when the weights change: each replaced
     # daemon reloads from disk, and an engine restarting on its node waits for it.
     max_unavailable: MaxUnavailable = 1
-    # Surge: the DaemonSet replaces a node's daemon while its engines still map the old
-    # weights (both resident). NodeByNode: the operator evicts a node's engines of older
-    # generations first and replaces its daemon once they are gone (rollout.py).
-    strategy: RolloutStrategy = "Surge"
+    # Auto: the DaemonSet replaces a node's daemon, which keeps the old weights the engines
+    # there map and loads the new beside them where the device has room; where it has not,
+    # it waits and the operator evicts that node's engines of older generations
+    # (rollout.make_room). Surge: the new weights load beside the old regardless.
+    # NodeByNode: the operator evicts a node's engines of older generations first and
+    # replaces its daemon once they are gone (rollout.plan).
+    strategy: RolloutStrategy = "Auto"
 
 
 class WeightCacheSpec(_Spec):

@@ -212,6 +212,19 @@ class LayoutStatus(msgspec.Struct):
     error: str | None = None
 
 
+class RetainedStatus(msgspec.Struct):
+    """A layout of an earlier generation the daemon keeps (daemon/generations.py): taken back
+    from the engines that map it, served to engines asking for exactly its config."""
+
+    spec_hash: str  # the generation whose daemon wrote its manifest ("" if unknown)
+    fingerprint: str
+    plan: str | None
+    bytes: NonNegInt
+    expected_bytes: NonNegInt
+    # Seconds since an engine was last found holding it (or was served it).
+    unheld_seconds: float = 0.0
+
+
 class DaemonStatus(msgspec.Struct):
     state: Literal["loading", "ready", "error"]
     pid: NonNegInt
@@ -236,6 +249,17 @@ class DaemonStatus(msgspec.Struct):
     # What went wrong that costs only a successor, while this daemon serves: e.g. its
     # manifest could not be written (a full filesystem), so a restart reloads from disk.
     warning: str | None = None
+    # What a loading daemon is doing: "re-adopting" (asking engines for the weights they map;
+    # it has not decided yet whether it takes them back), "loading" (from a neighbour or
+    # the disk), "waiting-for-room" (the new generation does not fit beside kept ones).
+    phase: str | None = None
+    # Earlier generations kept beside these weights (daemon/generations.py).
+    retained: list[RetainedStatus] = []
+    # The device's memory now (daemon/devicememory.py); None where it cannot be read.
+    memory_total_bytes: NonNegInt | None = None
+    memory_free_bytes: NonNegInt | None = None
+    # --rollout auto: a load waits until the free memory holds it beside kept generations.
+    waiting_for_room: bool = False
 
 
 class PingReply(_ReplyMessage, tag="ping_reply"):

@@ -49,9 +49,32 @@ Short = Annotated[str, msgspec.Meta(max_length=64)]
 Message = Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_CHARS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 
+# What a loading daemon is doing (``loadPhase``). While it re-adopts it has not decided yet
+# whether it takes back the weights the engines on its node map: the operator keeps their
+# gates meanwhile (gate.py, the carry). Other values say it no longer re-adopts; a value an
+# older operator does not know means the same.
+PHASE_READOPTING = "re-adopting"
+PHASE_LOADING = "loading"
+PHASE_WAITING_FOR_ROOM = "waiting-for-room"
+# Kept generations listed in one report (each about 230 bytes: four stay well inside the
+# 4096-byte annotation beside a full message); `retainedOmitted` counts the rest.
+MAX_RETAINED_REPORTED = 4
+
 
 class ReportError(ValueError):
     """An annotation is not a valid report; the message names the key and the field."""
+
+
+class RetainedReport(msgspec.Struct, frozen=True, rename="camel"):
+    """Weights of an earlier generation a daemon took back from the engines that map them
+    and keeps (daemon/generations.py): served to an engine asking for exactly their config,
+    dropped once no engine holds them."""
+
+    spec_hash: Hash
+    # The CacheConfig fingerprint of the layout kept (an engine layout's has its plan).
+    fingerprint: Hash
+    preloaded_weights_bytes: Bytes
+    expected_bytes: Bytes
 
 
 class DeviceReport(msgspec.Struct, frozen=True, rename="camel"):
@@ -76,6 +99,25 @@ class DeviceReport(msgspec.Struct, frozen=True, rename="camel"):
     load_source: Short = ""
     seeded_from: Short = ""
     reported_at: Short = ""
+    # PHASE_*: what a Loading daemon is doing ("" when it is not loading, or an older daemon).
+    load_phase: Short = ""
+    # Earlier generations kept beside the current one, at most MAX_RETAINED_REPORTED.
+    retained: Annotated[list[RetainedReport], msgspec.Meta(max_length=MAX_RETAINED_REPORTED)] = []
+    retained_omitted: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    # The device's memory (CUDA: cudaMemGetInfo; CPU: the daemon's cgroup, else the node's
+    # meminfo); None from older daemons. Rewritten between status changes only on 1 GiB moves.
+    memory_total_bytes: Bytes | None = None
+    memory_free_bytes: Bytes | None = None
+    # The new generation does not fit beside the kept ones (--rollout auto): the daemon
+    # waits for room; the operator then evicts the node's engines on older generations.
+    waiting_for_room: bool = False
+    # Random, fresh in each daemon process: a report left on the pod by a process that has
+    # since died is told from its successor's ("" from older daemons).
+    instance: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{16})?$")] = ""
+
+    def holding(self, spec_hash: str) -> RetainedReport | None:
+        """The kept weights of generation ``spec_hash``, if this device keeps them."""
+        return next((r for r in self.retained if r.spec_hash == spec_hash), None)
 
 
 def annotation_key(device: str) -> str:

@@ -152,8 +152,11 @@ def operator(cluster: Cluster, operator_home: str, tmp_path_factory: pytest.Temp
     """The operator as a process, one per test module, under exactly OPERATOR_RULES (and the
     daemon namespace's rules in its home, where it runs the caches' DaemonSets)."""
     kubeconfig = install_operator_account(cluster, operator_home, OPERATOR_SA)
+    # Tests here delete daemon pods whose verdicts held and wait for the gates to close; a
+    # short carry (a replaced pod's verdict, gate.carried: 120 s by default, tested on the
+    # real node and in tests/unit) lets them close within seconds as the carry ends.
     op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log",
-                         operator_policy(operator_home))
+                         operator_policy(operator_home), args=["--carry-seconds", "3"])
     op.start()
     yield op
     op.stop()

@@ -48,6 +48,16 @@ def test_unknown_fields_are_tolerated() -> None:
         ({"specHash": "x" * 64}, "specHash"),
         ({"node": "n" * 300}, "node"),
         ({"v": 2}, "v"),
+        # Issue 42's fields: kept generations (4 at most, each bounded), memory, instance.
+        ({"retained": [{"specHash": HASH, "fingerprint": HASH, "preloadedWeightsBytes": 1,
+                        "expectedBytes": 1}] * 5}, "retained"),
+        ({"retained": [{"specHash": "x", "fingerprint": HASH, "preloadedWeightsBytes": 1,
+                        "expectedBytes": 1}]}, "specHash"),
+        ({"retainedOmitted": -1}, "retainedOmitted"),
+        ({"memoryFreeBytes": MAX_DEVICE_BYTES + 1}, "memoryFreeBytes"),
+        ({"waitingForRoom": "yes"}, "waitingForRoom"),
+        ({"instance": "not hex"}, "instance"),
+        ({"loadPhase": "p" * 65}, "loadPhase"),
     ],
 )
 def test_out_of_bounds_fields_are_named(changes: dict, field: str) -> None:

@@ -85,6 +85,7 @@ def _positive_float(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     from weightcache.checkpoint import TORCH_DTYPES
+    from weightcache.daemon.generations import CHECK_SECONDS, UNHELD_SECONDS
     from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS
     from weightcache.daemon.seed import WAIT_SECONDS
     from weightcache.transport import TRANSPORT_NAMES
@@ -173,6 +174,28 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_LAYOUTS})",
     )
     serve.add_argument(
+        "--rollout",
+        choices=("auto", "surge"),
+        default="auto",
+        help="auto (default): while earlier generations' weights are kept (taken back from "
+        "live engines after a model change), a load waits until the device's free memory "
+        "holds it plus 256 MiB; surge: load regardless",
+    )
+    serve.add_argument(
+        "--retained-grace-seconds",
+        type=_positive_float,
+        default=UNHELD_SECONDS,
+        help="drop an earlier generation's kept weights once no engine held them this long "
+        f"(default {UNHELD_SECONDS:g})",
+    )
+    serve.add_argument(
+        "--retained-check-seconds",
+        type=_positive_float,
+        default=CHECK_SECONDS,
+        help="ask the engines' hand-back sockets this often whether they still hold kept "
+        f"weights (default {CHECK_SECONDS:g})",
+    )
+    serve.add_argument(
         "--stall-seconds",
         type=_positive_float,
         default=STALL_SECONDS,
@@ -258,6 +281,9 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Daemo
         peer_wait_seconds=args.peer_wait_seconds,
         keep_checkpoint_layout=args.keep_checkpoint_layout,
         max_layouts=args.max_layouts,
+        rollout=args.rollout,
+        retained_grace_seconds=args.retained_grace_seconds,
+        retained_check_seconds=args.retained_check_seconds,
     )
 
 

@@ -88,6 +88,8 @@ class Holdings:
         on_change: Callable[[], None] = lambda: None,
         persist: Callable[[ResidentWeights], object] = lambda built: None,
         forget: Callable[[str | None], None] = lambda plan: None,
+        room: Callable[[int, str], None] = lambda need, what: None,
+        checkpoint_bytes: int = 0,
     ) -> None:
         self.base_config = base_config
         self.base_fingerprint = fingerprint(base_config)
@@ -103,6 +105,9 @@ class Holdings:
         # Each layout built gets its manifest (re-adoption); a dropped one loses it.
         self._persist = persist
         self._forget = forget
+        # Every build first waits until it fits beside kept generations (generations.Room).
+        self._room = room
+        self._checkpoint_bytes = checkpoint_bytes
         self._lock = threading.Lock()
         self._checkpoint = None
         if checkpoint_layout is not None:
@@ -322,8 +327,10 @@ class Holdings:
 
     def _build(self, key: str | None, build: _Build) -> ResidentWeights:
         if key is None:
+            self._room(self._checkpoint_bytes, "the checkpoint layout")
             return self._load_checkpoint()
         assert build.plan is not None and build.summary is not None
+        self._room(build.summary.param_bytes, f"layout {key[:12]}")
         with self._checkpoint_lease() as source:
             built, stats = build_layout(
                 build.plan, key, build.summary, self.base_config, self._checkpoint_headers,

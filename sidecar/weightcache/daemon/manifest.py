@@ -42,7 +42,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
@@ -61,6 +61,7 @@ from weightcache.protocol import (
     config_differences,
     fingerprint,
 )
+from weightcache.report import SPEC_HASH_ENV
 from weightcache.transport import get_daemon_transport_backend
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ LANES = 2
 BLAKE2B_SLICE = 16 << 20
 
 HexKey = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+SpecHash = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
 Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,64}$")]
 
 
@@ -101,9 +103,26 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The checkpoint files' stamps before the disk read these bytes descend from
     # (provenance.py); None in manifests of daemons from before it was kept.
     source: list[FileStamp] | None = None
+    # The generation (the operator's spec hash, WEIGHTCACHE_SPEC_HASH) of the daemon that
+    # wrote it: a successor of another generation keeps these weights as that one
+    # (generations.py). "" outside Kubernetes and from daemons before it was kept. An older
+    # daemon refuses a manifest with it (unknown field) and reloads from disk once.
+    spec_hash: SpecHash = ""
 
 
 LAYOUT_MANIFEST = re.compile(r"\.layout-([0-9a-f]{64})\.manifest$")
+RETAINED_MANIFEST = re.compile(r"\.retained-([0-9a-f]{64})\.manifest$")
+
+
+def daemon_spec_hash(env: Mapping[str, str] = os.environ) -> str:
+    """This daemon's generation, for its manifests: ``WEIGHTCACHE_SPEC_HASH`` when it is a
+    spec hash (64 lowercase hex digits), else "" (logged)."""
+    value = env.get(SPEC_HASH_ENV, "")
+    if value and not re.fullmatch(r"[0-9a-f]{64}", value):
+        log.warning("%s=%r is not a spec hash; manifests name no generation", SPEC_HASH_ENV,
+                    value[:80])
+        return ""
+    return value
 
 
 def manifest_path(socket_path: str, plan: str | None = None) -> str:
@@ -114,19 +133,53 @@ def manifest_path(socket_path: str, plan: str | None = None) -> str:
 
 def layout_plans(socket_path: str) -> list[str]:
     """The plan hashes of the engine layouts this socket's daemon wrote manifests for."""
+    return _listed(socket_path, LAYOUT_MANIFEST)
+
+
+def _listed(socket_path: str, pattern: re.Pattern[str]) -> list[str]:
     prefix = os.path.basename(socket_path)
     try:
         with opened_private_dir(state_dir(socket_path)) as directory:
             names = os.listdir(directory)
     except StateDirError:
         return []
-    found = (LAYOUT_MANIFEST.match(n[len(prefix) :]) for n in names if n.startswith(prefix))
+    found = (pattern.match(n[len(prefix) :]) for n in names if n.startswith(prefix))
     return sorted(m.group(1) for m in found if m)
+
+
+def retained_manifest_path(socket_path: str, fingerprint: str) -> str:
+    """``….retained-<fingerprint>.manifest``: a kept layout of an earlier generation."""
+    return state_file(socket_path, f".retained-{fingerprint}.manifest")
+
+
+def retained_fingerprints(socket_path: str) -> list[str]:
+    """The fingerprints of the kept layouts this socket's daemon wrote manifests for."""
+    return _listed(socket_path, RETAINED_MANIFEST)
+
+
+def remove_retained_manifest(socket_path: str, fingerprint: str) -> None:
+    _remove(retained_manifest_path(socket_path, fingerprint))
+
+
+def move_manifest(source: str, target: str) -> None:
+    """Rename a manifest within ``.daemon/`` (atomically, replacing ``target``)."""
+    directory = os.path.dirname(source)
+    if os.path.dirname(target) != directory:
+        raise ValueError(f"{source} and {target} are not in one directory")
+    if source == target:
+        return
+    with opened_private_dir(directory) as fd:
+        os.rename(os.path.basename(source), os.path.basename(target), src_dir_fd=fd,
+                  dst_dir_fd=fd)
+        os.fsync(fd)
 
 
 def remove_manifest(socket_path: str, plan: str | None) -> None:
     """Forget a layout nobody can hand back any more (a failure is only logged)."""
-    path = manifest_path(socket_path, plan)
+    _remove(manifest_path(socket_path, plan))
+
+
+def _remove(path: str) -> None:
     try:
         with opened_private_dir(os.path.dirname(path)) as directory:
             os.unlink(os.path.basename(path), dir_fd=directory)
@@ -281,7 +334,7 @@ def digests_under(
 
 def build_manifest(
     *, config: CacheConfig, transport: str, gpu: str, layout: Layout, buffers: list[torch.Tensor],
-    source: Source | None = None,
+    source: Source | None = None, spec_hash: str | None = None,
 ) -> Manifest:
     """Digest every allocation under a fresh key."""
     key = secrets.token_bytes(32)
@@ -298,6 +351,7 @@ def build_manifest(
         checksum_key=key.hex(),
         digests=allocation_digests(buffers, algorithm, key),
         source=None if source is None else list(source),
+        spec_hash=daemon_spec_hash() if spec_hash is None else spec_hash,
     )
 
 

@@ -25,7 +25,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -38,12 +38,15 @@ from weightcache.daemon.manifest import (
     allocation_digests,
     layout_plans,
     manifest_path,
+    move_manifest,
     read_manifest,
-    remove_manifest,
+    retained_fingerprints,
+    retained_manifest_path,
     stale_reason,
 )
 from weightcache.daemon.provenance import Source, difference, stamp
 from weightcache.daemon.resident import ResidentWeights
+from weightcache.daemon.statedir import StateDirError, opened_private_dir
 from weightcache.layout import tensor_specs
 from weightcache.protocol import (
     READOPT_MAX_FRAME,
@@ -52,6 +55,7 @@ from weightcache.protocol import (
     ReadoptRequest,
     ShardSpec,
     decode_readopt_reply,
+    fingerprint,
 )
 from weightcache.sockets import (
     DIR_FLAGS,
@@ -106,10 +110,13 @@ class ReadoptBudget:
 
 @dataclass
 class Readoption:
-    """The layouts taken back (the checkpoint's under None, engines' by plan hash), and why."""
+    """The layouts taken back (the checkpoint's under None, engines' by plan hash), and why;
+    ``kept``: layouts of earlier generations taken back to keep (generations.py), each with
+    its manifest (now ``.retained-<fingerprint>.manifest``)."""
 
     residents: dict[str | None, ResidentWeights]
     reason: str
+    kept: list[tuple[ResidentWeights, Manifest]] = field(default_factory=list)
 
     @property
     def resident(self) -> ResidentWeights | None:
@@ -163,31 +170,38 @@ def try_readopt(
     except CheckpointError as exc:
         return Readoption({}, str(exc))
     base = cache_config(checkpoint, device, dtype, shard, revision)
-    wanted = _current(socket_path, manifests, base, transport, gpu, stamp(model_dir), notes)
-    if not wanted:
+    wanted, others = _classify(socket_path, manifests, base, transport, gpu, stamp(model_dir),
+                               notes)
+    if not wanted and not others:
         return Readoption({}, "; ".join(notes))
 
     try:
         engines = engine_sockets(socket_path)
     except OSError as exc:
         return Readoption({}, f"cannot list the engines' sockets: {exc}")
-    adopted: dict[str | None, ResidentWeights] = {}
+    # What to take back: this generation's layouts (by plan), then earlier generations'
+    # (by fingerprint), each from the first engine that hands it back verified.
+    targets: dict[Target, tuple[str, Manifest]] = {
+        **{("current", plan): found for plan, found in wanted.items()},
+        **{("kept", fp): found for fp, found in others.items()},
+    }
+    adopted: dict[Target, ResidentWeights] = {}
     reasons: list[str] = []
     failures: list[str] = []
     gone = 0
     for asked, engine in enumerate(engines):
-        if len(adopted) == len(wanted):
+        if len(adopted) == len(targets):
             break
         name = os.path.basename(engine)
         refusals = []
-        for plan, manifest in wanted.items():
-            if plan in adopted:
+        for target, (_, manifest) in targets.items():
+            if target in adopted:
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             try:
-                memory, pid = _adopt_from(
+                memory, pid = adopt_from(
                     engine, socket_path, manifest, backend, device, policy,
                     min(budget.exchange_seconds, remaining),
                 )  # fmt: skip
@@ -205,7 +219,7 @@ def try_readopt(
                 log.warning("engine %s did not hand the weights back: %s", name, exc)
                 refusals = []
                 break
-            adopted[plan] = ResidentWeights(
+            adopted[target] = ResidentWeights(
                 config=manifest.config,
                 fingerprint=manifest.fingerprint,
                 layout=manifest.layout,
@@ -216,61 +230,119 @@ def try_readopt(
                 load_source="readopted",
                 source=None if manifest.source is None else tuple(manifest.source),
             )
-            which = "" if plan is None else f"layout {plan[:12]}: "
             reasons.append(
-                f"{which}re-adopted {len(memory.sizes)} allocation(s) from engine pid {pid} "
-                f"({name}), every checksum matching the manifest"
+                f"{_what(target, manifest)}re-adopted {len(memory.sizes)} allocation(s) from "
+                f"engine pid {pid} ({name}), every checksum matching the manifest"
             )
             break
         else:
             failures += [f"{name}: {r}" for r in refusals[:1]]
         progress()
         unasked = len(engines) - asked - 1
-        if deadline - time.monotonic() <= 0 and len(adopted) < len(wanted) and unasked:
+        if deadline - time.monotonic() <= 0 and len(adopted) < len(targets) and unasked:
             failures.append(
                 f"re-adoption budget of {budget.total_seconds:g} s spent; "
                 f"{unasked} engine socket(s) not asked"
             )
             break
-    for plan in wanted:
-        if plan is not None and plan not in adopted:
-            remove_manifest(socket_path, plan)  # no live engine holds that layout any more
-    if adopted:
-        return Readoption(adopted, "; ".join([*reasons, *failures]))
+    kept = _settle_manifests(socket_path, targets, adopted)
+    residents = {t[1]: r for t, r in adopted.items() if t[0] == "current"}
+    if kept and not residents:
+        # Earlier generations kept; this one's own weights were not taken back.
+        why = "; ".join(failures) or (
+            "no engine handed back this generation's weights" if wanted
+            else "; ".join(notes) or "no manifest of this generation")
+        return Readoption({}, "; ".join([*reasons, why]), kept)
+    if residents:
+        return Readoption(residents, "; ".join([*reasons, *failures]), kept)
+    # Why this generation's own manifest did not count (stale: an earlier generation's).
+    why = [n for n in notes if not wanted]
     if failures:
-        return Readoption({}, "no engine handed back verified weights: " + "; ".join(failures))
+        return Readoption({}, "; ".join(
+            [*why, "no engine handed back verified weights: " + "; ".join(failures)]))
     removed = f" ({gone} dead engine socket(s) removed)" if gone else ""
-    return Readoption({}, f"no live engine to re-adopt from{removed}")
+    return Readoption({}, "; ".join([*why, f"no live engine to re-adopt from{removed}"]))
 
 
-def _manifests(socket_path: str) -> tuple[dict[str | None, Manifest], list[str]]:
-    """Every readable manifest of this socket: the checkpoint layout's (None) and each
-    engine layout's, and why the checkpoint layout's is not among them."""
-    found: dict[str | None, Manifest] = {}
-    notes: list[str] = []
-    for plan in [None, *layout_plans(socket_path)]:
+# ("current", plan hash or None) for this generation's layouts, ("kept", fingerprint) for
+# an earlier generation's.
+Target = tuple[str, "str | None"]
+
+
+def _what(target: Target, manifest: Manifest) -> str:
+    if target[0] == "kept":
+        generation = manifest.spec_hash[:12] or "<unknown>"
+        return f"kept layout {manifest.fingerprint[:12]} of generation {generation}: "
+    return "" if target[1] is None else f"layout {target[1][:12]}: "
+
+
+def _settle_manifests(
+    socket_path: str, targets: dict[Target, tuple[str, Manifest]],
+    adopted: dict[Target, ResidentWeights],
+) -> list[tuple[ResidentWeights, Manifest]]:
+    """Put each manifest where what it describes now lives: kept layouts under
+    ``.retained-<fingerprint>``, this generation's under its own name (a rollback finds them
+    kept); those of layouts no engine handed back go (their memory is gone). Kept ones move
+    first: this generation's may take the name an earlier one had."""
+    kept = []
+    for (kind, key), (path, manifest) in sorted(targets.items(), key=lambda t: t[0][0] != "kept"):
+        resident = adopted.get((kind, key))
         try:
-            found[plan] = read_manifest(manifest_path(socket_path, plan))
+            if resident is None:
+                if path != manifest_path(socket_path, None) or kind == "kept":
+                    _remove_file(path)
+                continue
+            target = (retained_manifest_path(socket_path, manifest.fingerprint)
+                      if kind == "kept" else manifest_path(socket_path, key))
+            move_manifest(path, target)
+        except (OSError, StateDirError, ValueError) as exc:
+            log.warning("cannot move manifest %s: %s", path, exc)
+        if resident is not None and kind == "kept":
+            kept.append((resident, manifest))
+    return kept
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError), opened_private_dir(os.path.dirname(path)) as fd:
+        os.unlink(os.path.basename(path), dir_fd=fd)
+
+
+def _manifests(socket_path: str) -> tuple[dict[str, Manifest], list[str]]:
+    """Every readable manifest of this socket by path: the checkpoint layout's, each engine
+    layout's and each kept layout's; and why the checkpoint layout's is not among them."""
+    found: dict[str, Manifest] = {}
+    notes: list[str] = []
+    paths = [manifest_path(socket_path, plan) for plan in [None, *layout_plans(socket_path)]]
+    paths += [retained_manifest_path(socket_path, fp) for fp in retained_fingerprints(socket_path)]
+    for path in paths:
+        try:
+            found[path] = read_manifest(path)
         except ManifestError as exc:
-            if plan is None:
+            if path == paths[0]:
                 notes.append(str(exc))
     return found, notes
 
 
-def _current(
+def _classify(
     socket_path: str,
-    manifests: dict[str | None, Manifest],
+    manifests: dict[str, Manifest],
     base: CacheConfig,
     transport: str,
     gpu: str,
     files: Source,
     notes: list[str],
-) -> dict[str | None, Manifest]:
-    """The manifests that still describe what this daemon serves (``base`` is its config
-    from the checkpoint's headers, ``files`` the checkpoint files' stamps now); why the others
-    do not goes to ``notes`` (a stale engine layout's manifest is removed)."""
-    wanted: dict[str | None, Manifest] = {}
-    for plan, manifest in manifests.items():
+) -> tuple[dict[str | None, tuple[str, Manifest]], dict[str, tuple[str, Manifest]]]:
+    """This generation's manifests that still describe what this daemon serves, by plan
+    (``base`` is its config from the checkpoint's headers, ``files`` the checkpoint files'
+    stamps now), and earlier generations' on the same transport and GPU, by fingerprint:
+    their weights are taken back to be kept. Why the others count for nothing goes to
+    ``notes`` (their files are removed, but the checkpoint layout's own, which the next
+    load replaces)."""
+    wanted: dict[str | None, tuple[str, Manifest]] = {}
+    others: dict[str, tuple[str, Manifest]] = {}
+    ours = manifest_path(socket_path, None)
+    for path, manifest in manifests.items():
+        plan = manifest.config.plan
         expected = msgspec.structs.replace(base, plan=plan)
         stale = stale_reason(manifest, config=expected, transport=transport, gpu=gpu)
         if stale is None and manifest.source is not None:
@@ -279,17 +351,24 @@ def _current(
             changed = difference(tuple(manifest.source), files)
             if changed is not None:
                 stale = f"the checkpoint changed since these bytes were read from disk ({changed})"
-        if stale is None:
-            wanted[plan] = manifest
-        elif plan is None:
-            notes.append(stale)
-        else:
-            notes.append(f"layout {plan[:12]}: {stale}")
-            remove_manifest(socket_path, plan)
-    return wanted
+        which = "" if plan is None else f"layout {plan[:12]}: "
+        if stale is None and plan not in wanted:
+            wanted[plan] = (path, manifest)
+            continue
+        if (stale is not None and manifest.fingerprint != fingerprint(expected)
+                and manifest.transport == transport and manifest.gpu == gpu):
+            # Another config: an earlier generation's weights, kept if an engine maps them.
+            others.setdefault(manifest.fingerprint, (path, manifest))
+            if path == ours:
+                notes.append(f"{stale} (an earlier generation: kept if an engine hands it back)")
+            continue
+        notes.append(f"{which}{stale or 'a second manifest of this layout'}")
+        if path != ours:
+            _remove_file(path)
+    return wanted, others
 
 
-def _adopt_from(
+def adopt_from(
     engine: str,
     socket_path: str,
     manifest: Manifest,

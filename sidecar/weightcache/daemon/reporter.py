@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,10 +34,12 @@ from weightcache.protocol import DaemonStatus
 from weightcache.report import (
     MAX_DEVICE_BYTES,
     MAX_MESSAGE_CHARS,
+    MAX_RETAINED_REPORTED,
     NODE_NAME_ENV,
     REPORT_VERSION,
     SPEC_HASH_ENV,
     DeviceReport,
+    RetainedReport,
     annotation_key,
     encode_report,
     rfc3339_now,
@@ -47,8 +50,11 @@ log = logging.getLogger(__name__)
 _STATES = {"loading": "Loading", "ready": "Ready", "error": "Error"}
 
 
-def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str) -> DeviceReport:
-    """The report of this daemon's status; ``ValueError`` names a field the schema refuses."""
+def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str,
+                  instance: str = "") -> DeviceReport:
+    """The report of this daemon's status; ``ValueError`` names a field the schema refuses.
+    ``instance``: this process's (``new_instance``), so that the operator tells a report
+    a dead process left from its successor's."""
     for name in ("preloaded_weights_bytes", "expected_bytes"):
         value = getattr(status, name)
         if not 0 <= value <= MAX_DEVICE_BYTES:
@@ -71,7 +77,28 @@ def device_report(status: DaemonStatus, spec_hash: str, node: str, now: str) -> 
         load_source=status.load_source or "",
         seeded_from=status.seeded_from or "",
         reported_at=now,
+        load_phase=(status.phase or "") if status.state == "loading" else "",
+        instance=instance,
+        retained=[
+            RetainedReport(spec_hash=r.spec_hash, fingerprint=r.fingerprint,
+                           preloaded_weights_bytes=min(r.bytes, MAX_DEVICE_BYTES),
+                           expected_bytes=min(r.expected_bytes, MAX_DEVICE_BYTES))
+            for r in status.retained[:MAX_RETAINED_REPORTED]
+        ],
+        retained_omitted=max(0, len(status.retained) - MAX_RETAINED_REPORTED),
+        memory_total_bytes=_bounded(status.memory_total_bytes),
+        memory_free_bytes=_bounded(status.memory_free_bytes),
+        waiting_for_room=status.waiting_for_room,
     )
+
+
+def _bounded(value: int | None) -> int | None:
+    return None if value is None else min(value, MAX_DEVICE_BYTES)
+
+
+def new_instance() -> str:
+    """A fresh random name for this daemon process's reports (16 hex digits)."""
+    return secrets.token_hex(8)
 
 
 def report_patch(report: DeviceReport) -> dict[str, Any]:
@@ -113,6 +140,7 @@ class PodReporter:
         self._reported_generation = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.instance = new_instance()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **kwargs: Any) -> PodReporter | None:
@@ -129,7 +157,8 @@ class PodReporter:
     def update(self, status: DaemonStatus) -> None:
         """Queue the daemon's latest status; never blocks, never raises."""
         try:
-            report = device_report(status, self.spec_hash, self.node, rfc3339_now())
+            report = device_report(status, self.spec_hash, self.node, rfc3339_now(),
+                                   self.instance)
         except (ValueError, KeyError, TypeError):
             log.exception("not reporting an invalid daemon status")
             return
@@ -206,9 +235,22 @@ class PodReporter:
         )
 
 
+# Between status changes, a report is rewritten for its memory figures only when the free
+# memory moved by this much: the free memory of a busy device changes all the time.
+MEMORY_STEP = 1 << 30
+
+
 def _same_but_time(a: DeviceReport, b: DeviceReport | None) -> bool:
-    """Whether `b` already says what `a` says (only the timestamp may differ)."""
-    return b is not None and msgspec.structs.replace(a, reported_at=b.reported_at) == b
+    """Whether `b` already says what `a` says: only the timestamp may differ, and the free
+    memory by less than MEMORY_STEP (the total not at all)."""
+    if b is None:
+        return False
+    if (a.memory_free_bytes is None) != (b.memory_free_bytes is None) or (
+            a.memory_free_bytes is not None and b.memory_free_bytes is not None
+            and abs(a.memory_free_bytes - b.memory_free_bytes) >= MEMORY_STEP):
+        return False
+    return msgspec.structs.replace(a, reported_at=b.reported_at,
+                                   memory_free_bytes=b.memory_free_bytes) == b
 
 
 def _is_auth_error(exc: Exception) -> bool:

@@ -49,6 +49,20 @@ class ResidentWeights:
         self.memory.close()
 
 
+def planned_bytes(
+    model_dir: str | Path,
+    device: torch.device,
+    transport: str,
+    dtype: torch.dtype | None = None,
+    shard: ShardSpec | None = None,
+    revision: str | None = None,
+) -> int:
+    """What :func:`load_from_disk` would allocate, from the checkpoint's headers alone."""
+    specs = tensor_specs_for(read_checkpoint(model_dir), dtype, shard)
+    backend = get_daemon_transport_backend(transport)
+    return sum(plan_layout(specs, backend.allocation_alignment(device)).allocation_sizes)
+
+
 def load_from_disk(
     model_dir: str | Path,
     device: torch.device,

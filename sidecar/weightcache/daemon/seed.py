@@ -62,6 +62,7 @@ from weightcache.daemon.manifest import (
     Manifest,
     ManifestError,
     algorithm_for,
+    daemon_spec_hash,
     digests_under,
     manifest_path,
     not_written,
@@ -438,6 +439,7 @@ def _save_own_manifest(
         checksum_key=key.hex(),
         digests=digests,
         source=None if resident.source is None else list(resident.source),
+        spec_hash=daemon_spec_hash(),
     )
     try:
         write_manifest(path, manifest)

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from weightcache.protocol import (
     MAX_REQUEST_BYTES,
     MAX_REQUEST_FRAME,
@@ -122,6 +124,7 @@ class SocketServer:
         status: Callable[[], object],
         probe: Callable[[str], tuple[bool, str]] | None = None,
         probe_uid: int | None = None,
+        kept: Callable[[], Any] = lambda: None,
     ) -> None:
         self._listener = listener
         # Set here, not in serve_forever: stop() may close the listener before that runs.
@@ -132,6 +135,9 @@ class SocketServer:
         self._status = status
         self._probe = probe
         self._probe_uid = probe_uid
+        # Earlier generations' weights the daemon keeps (a generations.Generations): served
+        # to a request for exactly their config, before (and while) the daemon loads its own.
+        self._kept = kept
         self._slots = threading.BoundedSemaphore(limits.max_connections)
         self._probe_slots = threading.BoundedSemaphore(PROBE_SLOTS)
         self._request_bytes = RequestBytes(limits.max_request_bytes)
@@ -341,7 +347,25 @@ class SocketServer:
             ),
         )
 
+    def _serve_kept(self, conn: socket.socket, request: FetchStateRequest) -> bool:
+        """Serve a kept earlier generation whose config is exactly the request's (an old
+        engine restarting in its pod); False when none is kept for it."""
+        kept = self._kept()
+        if kept is None or request.config is None:
+            return False
+        with kept.lease(request.config) as resident:
+            if resident is None:
+                return False
+            reply, backend = fetch_state_reply(request, resident)
+            if backend is None:
+                send_message(conn, reply)
+            else:
+                backend.send_fetch_state_response(conn, reply, resident.export)
+        return True
+
     def _fetch_state(self, conn: socket.socket, request: FetchStateRequest) -> None:
+        if self._serve_kept(conn, request):
+            return
         holdings = self._holdings()
         if holdings is None:
             self._still_loading(conn)
@@ -358,6 +382,10 @@ class SocketServer:
                 backend.send_fetch_state_response(conn, reply, resident.export)
 
     def _fetch_layout(self, conn: socket.socket, request: FetchLayoutRequest) -> None:
+        asked = FetchStateRequest(v=1, config=msgspec.structs.replace(
+            request.config, plan=request.plan_hash), transports=request.transports)
+        if self._serve_kept(conn, asked):
+            return
         holdings = self._holdings()
         if holdings is None:
             self._still_loading(conn)

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,17 +14,25 @@ from pathlib import Path
 import torch
 
 from weightcache.checkpoint import cache_config, read_checkpoint
-from weightcache.daemon import digest_cuda, faults, health
+from weightcache.daemon import devicememory, digest_cuda, faults, health
+from weightcache.daemon.generations import (
+    CHECK_SECONDS,
+    UNHELD_SECONDS,
+    Generations,
+    Kept,
+    Room,
+)
 from weightcache.daemon.http import ALL_PATHS, METRICS_PATHS, HttpServer
 from weightcache.daemon.layouts import DEFAULT_MAX_LAYOUTS, Holdings
 from weightcache.daemon.lock import DeviceLock, lock_path
 from weightcache.daemon.manifest import remove_manifest, save_manifest
 from weightcache.daemon.readopt import ReadoptBudget, try_readopt
-from weightcache.daemon.resident import ResidentWeights, load_from_disk
+from weightcache.daemon.resident import ResidentWeights, load_from_disk, planned_bytes
 from weightcache.daemon.seed import WAIT_SECONDS, Obtained, obtain_weights
 from weightcache.daemon.server import ServerCounters, ServerLimits, SocketServer
 from weightcache.daemon.statedir import prepare_state_dir
 from weightcache.protocol import DaemonStatus, ShardSpec
+from weightcache.report import PHASE_LOADING, PHASE_READOPTING, PHASE_WAITING_FOR_ROOM
 from weightcache.sockets import PeerPolicy, listen_unix, prepare_socket_dir
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,14 @@ class DaemonOptions:
     # many engine layouts may be held or built at once.
     keep_checkpoint_layout: bool = False
     max_layouts: int = DEFAULT_MAX_LAYOUTS
+    # Earlier generations' weights taken back from live engines (daemon.generations): dropped
+    # this long after no engine holds them, engines asked this often. "auto": every load
+    # waits until it fits beside them; "surge": loads regardless.
+    rollout: str = "auto"
+    retained_grace_seconds: float = UNHELD_SECONDS
+    retained_check_seconds: float = CHECK_SECONDS
+    # How often the device's memory is sampled for the report (rewritten on 1 GiB moves).
+    memory_sample_seconds: float = 10.0
 
 
 class Daemon:
@@ -67,12 +84,24 @@ class Daemon:
         self._state = "loading"
         self._error: str | None = None
         self._load_reason: str | None = None
+        # What loading does now (DaemonStatus.phase): a start re-adopts first; until it says
+        # otherwise, the operator keeps the gates of the engines that map the weights.
+        self._phase: str | None = PHASE_READOPTING
         # How the weights came to be held at start (re-adopted, seeded, read from disk).
         self._resident: ResidentWeights | None = None
         self._holdings: Holdings | None = None
         self._server: SocketServer | None = None
         self._progress = health.LoadProgress()
         self._stop = threading.Event()
+        self._generations = Generations(
+            options.socket_path, options.policy, options.device,
+            exchange_seconds=options.limits.timeout_seconds,
+            unheld_seconds=options.retained_grace_seconds,
+            check_seconds=options.retained_check_seconds, on_change=self._changed,
+        )
+        self._room = Room(options.device, options.rollout, self._generations,
+                          devicememory.sample, on_change=self._changed,
+                          progress=self._progress.mark, stop=self._stop)
         # Called with the new status whenever the state changes (the reporter).
         self.status_listeners: list[Callable[[DaemonStatus], None]] = []
 
@@ -85,6 +114,8 @@ class Daemon:
         h = self._holdings
         # Every layout held: the checkpoint's (unless dropped) and engines'.
         held, expected = h.totals() if h else (0, 0)
+        memory = devicememory.sample(self.options.device)
+        waiting = self._room.waiting
         return DaemonStatus(
             state=self._state,  # type: ignore[arg-type]
             pid=os.getpid(),
@@ -104,6 +135,12 @@ class Daemon:
             load_reason=self._load_reason,
             layouts=h.statuses() if h else [],
             warning=_manifest_warning(h.held() if h else [r] if r else []),
+            phase=(PHASE_WAITING_FOR_ROOM if waiting and self._state == "loading"
+                   else self._phase if self._state == "loading" else None),
+            retained=self._generations.statuses(),
+            memory_total_bytes=memory.total if memory else None,
+            memory_free_bytes=max(0, memory.free) if memory else None,
+            waiting_for_room=waiting,
         )
 
     def counters(self) -> ServerCounters:
@@ -129,6 +166,16 @@ class Daemon:
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
+
+    def _changed(self) -> None:
+        """Something the status shows changed (kept generations, waiting for room)."""
+        self._set_state(self._state, self._error)
+
+    def _sample_memory(self) -> None:
+        """Push the status now and then, for its memory figures (the reporter rewrites its
+        report for them only when the free memory moved by 1 GiB)."""
+        while not self._stop.wait(self.options.memory_sample_seconds):
+            self._changed()
 
     def _set_state(self, state: str, error: str | None = None) -> None:
         self._state, self._error = state, error
@@ -169,7 +216,9 @@ class Daemon:
             forget=lambda plan: remove_manifest(opts.socket_path, plan),
             keep_checkpoint=opts.keep_checkpoint_layout,
             max_layouts=opts.max_layouts,
-            on_change=lambda: self._set_state(self._state, self._error),
+            on_change=self._changed,
+            room=self._room.wait,
+            checkpoint_bytes=planned_bytes(*disk),
         )
 
     def run(self) -> int:
@@ -183,7 +232,7 @@ class Daemon:
         listener = listen_unix(opts.socket_path, backlog=128)
         self._server = SocketServer(
             listener, opts.policy, opts.limits, lambda: self._holdings, self.status, self.probe,
-            probe_uid=os.geteuid(),
+            probe_uid=os.geteuid(), kept=lambda: self._generations,
         )
         https = [
             HttpServer(*address, self, paths)
@@ -192,6 +241,7 @@ class Daemon:
             if address is not None
         ]
         threading.Thread(target=self._server.serve_forever, daemon=True, name="socket").start()
+        threading.Thread(target=self._sample_memory, daemon=True, name="memory").start()
         if opts.socket_path_file is not None:
             write_socket_path(opts.socket_path_file, opts.socket_path)
         if threading.current_thread() is threading.main_thread():
@@ -222,12 +272,26 @@ class Daemon:
                 progress=self._progress.mark,
             )
             self._load_reason = readoption.reason
+            for resident, manifest in readoption.kept:
+                self._generations.add(Kept(resident, manifest, time.monotonic()))
+            if readoption.kept:
+                self._generations.start()  # asks the engines at once, then every 10 s
+                self._changed()
             layouts = dict(readoption.residents)
             checkpoint_layout = layouts.pop(None, None)
             self._resident = checkpoint_layout or next(iter(layouts.values()), None)
             # Engine layouts re-adopted: the checkpoint layout is loaded only if kept or
             # also re-adopted (it is rebuilt from disk if an engine asks for it).
             if checkpoint_layout is None and (not layouts or opts.keep_checkpoint_layout):
+                # Re-adoption is over: what it did not take back is loaded otherwise.
+                self._phase = PHASE_LOADING
+                self._set_state("loading")
+                if self._generations:  # else nothing could give room back: load
+                    self._progress.mark("checking for room beside the kept generations")
+                    self._room.wait(planned_bytes(*disk), "the checkpoint layout")
+                if self._stop.is_set():
+                    log.info("stopped while waiting for room to load")
+                    return 0  # the finally below releases what is held
                 obtained = obtain_weights(
                     opts.socket_path,
                     opts.gpu,
@@ -280,6 +344,7 @@ class Daemon:
                     self._holdings.close()
                 elif self._resident is not None:
                     self._resident.close()
+                self._generations.close()
             try:
                 os.unlink(opts.socket_path)
             except FileNotFoundError:

@@ -22,7 +22,7 @@ from tests.unit.toyengine import (
     save_checkpoint,
     sources,
 )
-from tests.unit.wc_harness import exchange, frame
+from tests.unit.wc_harness import exchange, frame, wait_until
 from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.client import DaemonError, attach, attach_layout, check_params, ping
 from weightcache.integrations.trace import trace_load
@@ -211,3 +211,42 @@ def test_the_engine_checks_the_views_against_its_plan() -> None:
         check_params({**good, "norm": good["norm"].float()}, plan)
     with pytest.raises(ProtocolError, match="embed: its tied names are not one tensor"):
         check_params({**good, "lm_head": good["embed"].clone()}, plan)
+
+
+def test_every_load_after_the_first_waits_for_room_too(toy) -> None:
+    """Issue 42 review: the room check (--rollout auto) ran before the first load only; an
+    engine layout built later and the checkpoint layout rebuilt went ahead beside kept
+    generations regardless. Each build now asks first, for what it will allocate."""
+    from weightcache.checkpoint import checkpoint_sources
+    from weightcache.daemon.layouts import Holdings
+    from weightcache.daemon.resident import load_from_disk, planned_bytes
+    from weightcache.plan import check_plan
+
+    model_dir, _ = toy
+    checkpoint = read_checkpoint(model_dir)
+    disk = (model_dir, CPU, "memfd")
+    asked: list[tuple[int, str]] = []
+    holdings = Holdings(
+        base_config=config_of(model_dir), checkpoint=checkpoint, device=CPU, transport="memfd",
+        checkpoint_layout=load_from_disk(*disk), load_checkpoint=lambda: load_from_disk(*disk),
+        room=lambda need, what: asked.append((need, what)), checkpoint_bytes=planned_bytes(*disk))
+    plan = plan_of()
+    key = plan_hash(plan)
+    request = FetchLayoutRequest(v=1, config=config_of(model_dir), plan_hash=key,
+                                 transports=["memfd"], plan=plan)
+
+    def settled(plans: set) -> bool:
+        return {s.plan for s in holdings.statuses() if s.state == "ready"} == plans
+
+    try:
+        with holdings.layout(request) as (reply, _, _):
+            assert reply.retryable
+        wait_until(lambda: settled({key}), "the layout built (the checkpoint layout dropped)")
+        with holdings.checkpoint() as got:
+            assert isinstance(got, FetchStateReply) and got.retryable
+        wait_until(lambda: settled({key, None}), "the checkpoint layout rebuilt")
+        summary = check_plan(plan, checkpoint_sources(checkpoint))
+        assert asked == [(summary.param_bytes, f"layout {key[:12]}"),
+                         (planned_bytes(*disk), "the checkpoint layout")]
+    finally:
+        holdings.close()

@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 from weightcache.daemon import reporter
-from weightcache.protocol import DaemonStatus
+from weightcache.protocol import DaemonStatus, RetainedStatus
 from weightcache.report import (
+    MAX_ANNOTATION_BYTES,
     MAX_DEVICE_BYTES,
     MAX_MESSAGE_CHARS,
     annotation_key,
@@ -58,6 +59,13 @@ def test_report_of_a_status() -> None:
     assert (warned.state, warned.message) == ("Ready", "manifest not written")
     both = reporter.device_report(status(state="error", error="e", warning="w"), HASH, "n", NOW)
     assert both.message == "e"
+    # What a loading daemon does travels as loadPhase (the operator keeps the engines' gates
+    # while it re-adopts), and each process names its reports.
+    readopting = reporter.device_report(status(state="loading", phase="re-adopting"), HASH, "n",
+                                        NOW, reporter.new_instance())
+    assert readopting.load_phase == "re-adopting" and len(readopting.instance) == 16
+    assert reporter.device_report(status(phase="re-adopting"), HASH, "n", NOW).load_phase == ""
+    assert reporter.new_instance() != reporter.new_instance()
 
 
 def test_the_report_says_where_the_weights_came_from() -> None:
@@ -206,6 +214,43 @@ def test_resync_restores_a_clobbered_report() -> None:
                     break
             time.sleep(0.025)
         assert msgspec.structs.replace(pod.report(), reported_at="") == msgspec.structs.replace(
-            reporter.device_report(status(), HASH, "node-a", NOW), reported_at="")
+            reporter.device_report(status(), HASH, "node-a", NOW, r.instance), reported_at="")
+    finally:
+        r.stop()
+
+
+def test_kept_generations_are_listed_four_at_most_and_the_rest_counted() -> None:
+    """Issue 42 review: a report listed every kept generation; five or more pushed it past
+    what the operator decodes for the rest (each ~230 bytes beside a 512-character message)."""
+    kept = [RetainedStatus(spec_hash=f"{i}" * 64, fingerprint=f"{i}" * 64, plan=None,
+                           bytes=MAX_DEVICE_BYTES + i, expected_bytes=10) for i in range(6)]
+    report = reporter.device_report(
+        status(retained=kept, error="x" * 5000, state="error", memory_total_bytes=1 << 45,
+               memory_free_bytes=1 << 30, waiting_for_room=True), HASH, "n", NOW,
+        reporter.new_instance())
+    assert [r.spec_hash[0] for r in report.retained] == ["0", "1", "2", "3"]
+    assert report.retained_omitted == 2
+    assert report.retained[0].preloaded_weights_bytes == MAX_DEVICE_BYTES  # bounded
+    assert (report.memory_total_bytes, report.memory_free_bytes) == (MAX_DEVICE_BYTES, 1 << 30)
+    raw = encode_report(report)
+    assert len(raw.encode()) <= MAX_ANNOTATION_BYTES
+    assert decode_report(annotation_key("GPU-1"), raw) == report
+
+
+def test_memory_alone_rewrites_the_report_only_when_it_moved_a_gib() -> None:
+    pod = Pod()
+    r = make(pod)
+    try:
+        r.update(status(memory_total_bytes=80 << 30, memory_free_bytes=40 << 30))
+        assert r.flush(timeout=10)
+        writes = pod.patches
+        r.update(status(memory_total_bytes=80 << 30, memory_free_bytes=(40 << 30) - (900 << 20)))
+        assert r.flush(timeout=10) and pod.patches == writes
+        r.update(status(memory_total_bytes=80 << 30, memory_free_bytes=39 << 30))
+        assert r.flush(timeout=10) and pod.patches == writes + 1
+        assert pod.report().memory_free_bytes == 39 << 30
+        r.update(status(state="loading", memory_total_bytes=80 << 30,
+                        memory_free_bytes=39 << 30))  # a status change: written at once
+        assert r.flush(timeout=10) and pod.patches == writes + 2
     finally:
         r.stop()

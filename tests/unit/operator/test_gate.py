@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from tests.unit.operator.builders import GIB, annotations, device_report, raw_report
 from tests.unit.operator.conftest import DS_UID, daemonset
-from weightcache.report import MAX_DEVICES, annotation_key
+from weightcache.report import (
+    MAX_DEVICES,
+    PHASE_READOPTING,
+    PHASE_WAITING_FOR_ROOM,
+    RetainedReport,
+    annotation_key,
+)
 from weightcache_operator import gate
 from weightcache_operator.spec import WeightCacheSpec, parse_spec, spec_hash
 from weightcache_operator.views import Condition, DaemonPodView
@@ -288,3 +295,128 @@ def test_an_earlier_generation_is_judged_by_its_own_gpus_and_bytes(
     # The current generation keeps the spec's rules: its pin applies.
     pinned = spec_with(2, expectedBytes=100 * GIB)
     assert gate.evaluate_node(pinned, gpu_hash, [two]).reason == gate.BYTES_BELOW_EXPECTED
+
+
+# --------------------------------------------------------------------------- kept generations
+
+OLD = "0" * 64
+
+
+def test_a_generation_kept_beside_the_current_one_is_resident_while_the_daemon_runs(
+    make_pod: MakePod, gpu_spec: WeightCacheSpec, gpu_hash: str
+) -> None:
+    """Issue 42: a daemon that a model change replaced takes the old weights back from the
+    engines that map them and keeps them (`retained`); pods bound to the old generation are
+    judged by that, even while the pod is NotReady (its new generation still loads)."""
+    kept = RetainedReport(spec_hash=OLD, fingerprint="e" * 64,
+                          preloaded_weights_bytes=GIB, expected_bytes=GIB)
+    loading = dataclasses.replace(
+        make_pod(state="Loading", ready=False, retained=[kept]), containers_running=True)
+    verdict = gate.evaluate_node(gpu_spec, OLD, [loading], bound=True)
+    assert verdict.ok, verdict.message
+    assert f"keep {2 * GIB} bytes of {OLD[:12]}" in verdict.message
+    # The current generation itself is still loading there.
+    assert gate.evaluate_node(gpu_spec, gpu_hash, [loading]).reason == gate.DAEMON_NOT_READY
+    # Not running any more (killed): nothing vouches for the kept weights.
+    stopped = dataclasses.replace(loading, containers_running=False)
+    assert gate.evaluate_node(gpu_spec, OLD, [stopped], bound=True).reason == (
+        gate.DAEMON_NOT_READY)
+    # Kept in part (less than expected), or not at all: closed.
+    short = msgspec.structs.replace(kept, preloaded_weights_bytes=GIB // 2)
+    for retained, reason in (([short], gate.BYTES_BELOW_EXPECTED),
+                             ([], gate.FINGERPRINT_MISMATCH)):
+        pod = dataclasses.replace(make_pod(retained=retained), containers_running=True)
+        assert gate.evaluate_node(gpu_spec, OLD, [pod], bound=True).reason == reason
+
+
+# --------------------------------------------------------------------------- the carry
+
+
+def carry_scene(make_pod: MakePod, transport: str = "vmm_fd"
+                ) -> tuple[DaemonPodView, gate.LastGood]:
+    """A Ready daemon pod (one process: instance a…) and what the operator remembers of it."""
+    pod = dataclasses.replace(make_pod(transport=transport, instance="a" * 16), uid="old-uid",
+                              containers_running=True)
+    verdict = gate.evaluate_pod(parse_spec(GPU), spec_hash(parse_spec(GPU)), pod)
+    good = gate.last_good(verdict, [pod])
+    assert good is not None
+    return pod, good
+
+
+GPU = {"model": {"path": "/models/m"}, "gpus": {"perNode": 2, "tpSize": 2, "shardPlan": "llama"},
+       "transport": "vmm_fd", "engine": {"selector": {"matchLabels": {"app": "engine"}}}}
+
+
+def test_a_replaced_daemons_verdict_is_carried_until_its_successor_decides(
+    make_pod: MakePod, gpu_spec: WeightCacheSpec, gpu_hash: str
+) -> None:
+    """Issue 42 item 2: between the old daemon pod's exit and the new one's first report
+    nothing reports, and every gate on the node closed (37 of 43 requests went to pods that
+    were not Ready while the engines answered correctly). The replaced pod's verdict holds
+    until its successor says whether it took the weights back, CARRY_SECONDS at most."""
+    old, good = carry_scene(make_pod)
+    since = 1_000_000.0
+    good = dataclasses.replace(good, since=since)
+
+    def judge(pods: list[DaemonPodView], now: float = since + 5,
+              last: gate.LastGood = good) -> gate.Verdict | None:
+        failed = gate.evaluate_node(gpu_spec, gpu_hash, pods)
+        assert not failed.ok
+        return gate.carried(failed, gpu_hash, pods, last, now)
+
+    def successor(**entry: object) -> DaemonPodView:
+        return dataclasses.replace(make_pod("wc-new", ready=False, instance="b" * 16, **entry),
+                                   uid="new-uid", containers_running=True)
+
+    terminating = dataclasses.replace(old, terminating=True)
+    killed = dataclasses.replace(old, ready=False, containers_running=False)
+    restarted = dataclasses.replace(old, ready=False, restarts=1)  # its old report stays
+    readopting = successor(state="Loading", load_phase=PHASE_READOPTING)
+    taken_back = successor(readopted=True, load_source="readopted")
+    for pods in ([terminating], [], [readopting], [terminating, readopting],
+                 [taken_back], [killed], [restarted],
+                 [dataclasses.replace(readopting, reports={})]):
+        verdict = judge(pods)
+        assert verdict is not None and verdict.ok, pods
+        assert verdict.until == since + gate.CARRY_SECONDS
+        assert "replaced" in verdict.message and verdict.pod == old.name
+
+    # The successor decided against it: it loads otherwise, holds other weights, errs.
+    for decided in (successor(state="Loading", load_phase="loading"),
+                    successor(load_source="disk"),  # Ready from disk: not taken back
+                    successor(state="Error", message="CUDA OOM"),
+                    dataclasses.replace(successor(), reports={KEY: "{not json"})):
+        assert judge([decided]) is None, decided
+    # Too long without a decision (a dead node, a successor that never reports).
+    assert judge([terminating], since + gate.CARRY_SECONDS) is None
+    # Nothing was replaced: the same process fails on its own (NotReady past a flap, its
+    # report says Loading): not carried.
+    assert judge([dataclasses.replace(old, ready=False)]) is None
+    # torch_ipc: the memory died with the daemon (its engines fail-stop).
+    _, ipc = carry_scene(make_pod, transport="torch_ipc")
+    assert judge([terminating], last=dataclasses.replace(ipc, since=since)) is None
+
+
+def test_a_model_change_carries_the_old_generation_until_the_successor_keeps_it(
+    make_pod: MakePod, gpu_spec: WeightCacheSpec, gpu_hash: str
+) -> None:
+    """The successor of another generation decides for the old one by keeping it
+    (`retained`) or not."""
+    old, good = carry_scene(make_pod)
+    good = dataclasses.replace(good, since=0.0)
+    new_hash = "1" * 64
+
+    def successor(**entry: object) -> DaemonPodView:
+        reports = annotations(*(device_report(f"GPU-{i}", new_hash, state="Loading", **entry)
+                                for i in range(2)))
+        return dataclasses.replace(make_pod("wc-new", template_hash=new_hash, ready=False,
+                                            reports=reports), uid="new-uid")
+
+    kept = RetainedReport(spec_hash=gpu_hash, fingerprint="e" * 64,
+                          preloaded_weights_bytes=GIB, expected_bytes=GIB)
+    for pod, carried in ((successor(load_phase=PHASE_READOPTING), True),
+                         (successor(retained=[kept]), True),
+                         (successor(load_phase="loading"), False),
+                         (successor(load_phase=PHASE_WAITING_FOR_ROOM), False)):
+        failed = gate.evaluate_node(gpu_spec, gpu_hash, [pod], bound=True)
+        assert (gate.carried(failed, gpu_hash, [pod], good, 5.0) is not None) is carried

@@ -17,6 +17,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from tests.unit.operator.builders import GIB, annotations, device_report
+from weightcache.report import RetainedReport
 from weightcache_operator import aggregate, gate, names, reconcile, render
 from weightcache_operator.policy import HostPaths, Policy
 from weightcache_operator.reconcile import Reconciler
@@ -410,7 +411,7 @@ def catch_up(st: State, kube: RecordingKube, version: str = "2") -> None:
     st.caches[NS][0] = cache(status=kube.of("status")[-1], version=version)  # type: ignore[index]
     for key, (e,) in list(st.engine_pods_index.items()):
         st.engine_pods_index[key] = [  # type: ignore[index]
-            engine(kube.conditions.get(e.name), e.name, e.node, version)]
+            dataclasses.replace(e, gate=kube.conditions.get(e.name), resource_version=version)]
     labelled = {node for node, patch in kube.of("labels")
                 if patch.get(names.NODE_LABEL_PREFIX + LABEL)}
     for node in list(st.nodes):
@@ -892,10 +893,56 @@ def test_a_listed_tenants_budget_holds_the_rollout_until_its_namespace_is_unlist
     assert kube.of("evict") == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
 
 
+SURGE = {**SPEC, "rollout": {"strategy": "Surge"}}
+
+
+def waiting_daemon(node: str, waiting: bool = True) -> DaemonPodView:
+    """The node's new daemon (the current generation), keeping OLD's weights for the
+    engines there; `waiting`: the new generation does not fit beside them."""
+    kept = RetainedReport(spec_hash=OLD, fingerprint="e" * 64, preloaded_weights_bytes=GIB,
+                          expected_bytes=GIB)
+    reports = annotations(device_report("cpu", DIGEST, node, state="Loading" if waiting
+                                        else "Ready", waiting_for_room=waiting, retained=[kept]))
+    return dataclasses.replace(daemon_pod(f"wc-{node}", reports=reports, node=node,
+                                          ready=not waiting), uid=f"uid-wc-{node}",
+                               containers_running=True)
+
+
 def test_a_surge_cache_evicts_nothing(kube: RecordingKube, reconciler: Reconciler) -> None:
-    world = state([cache()], [old_daemon("node-a")], engines=[old_engine("node-a")])
+    world = state([cache(spec=SURGE)], [old_daemon("node-a"), waiting_daemon("node-b")],
+                  engines=[old_engine("node-a"), old_engine("node-b")])
     run(reconciler.status(world, NS, NAME))
     assert kube.of("evict") == []
+
+
+def test_auto_evicts_old_engines_only_where_the_new_daemon_waits_for_room(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Issue 42 (rollout.make_room): node-a's new daemon cannot load beside the weights it
+    keeps for the old engines there; node-b's could. Only node-a's old engine goes, the
+    PodDisruptionBudget deciding; node-b's keeps serving from the kept weights."""
+    current = dataclasses.replace(engine(name="current-a", node="node-a"),
+                                  bindings={names.binding_key(NS, NAME): DIGEST})
+    world = state([cache()], [waiting_daemon("node-a"), waiting_daemon("node-b", False)],
+                  engines=[old_engine("node-a"), old_engine("node-b"), current])
+    kube.refuse["evict"] = 429
+    run(reconciler.status(world, NS, NAME))
+    (cond,) = [c for c in kube.of("status")[-1]["conditions"] if c["type"] == "Progressing"]
+    assert cond["reason"] == "EvictionBlocked"
+    assert cond["message"].startswith(f"making room: evicting {NS}/engine-node-a")
+    assert ("WeightCache", "EvictionBlocked") in kube.events
+    del kube.refuse["evict"]
+    run(reconciler.status(world, NS, NAME))
+    assert kube.of("evict") == [(NS, "engine-node-a", "uid-engine-node-a")]
+    assert progressing(kube.of("status")[-1]) == ("True", "MakingRoom")
+    # The old engine on node-b is judged by what its node's daemon keeps: still open.
+    run(reconciler.cache(world, NS, NAME))
+    assert kube.conditions["engine-node-b"].status == "True"
+    assert kube.conditions["engine-node-a"].status == "True"  # kept there too, until it goes
+    status = kube.of("status")[-1]
+    (gpu,) = next(n for n in status["nodes"] if n["name"] == "node-a")["gpus"]
+    assert gpu["waitingForRoom"] and gpu["retained"][0]["specHash"] == OLD
+    assert next(g for g in status["generations"] if g["fingerprint"] == OLD)["nodes"] == 2
 
 
 def test_a_cache_evicts_only_pods_it_gates_that_carry_its_own_binding(
@@ -919,3 +966,153 @@ def test_a_cache_evicts_only_pods_it_gates_that_carry_its_own_binding(
     run(reconciler.status(state([cache(spec=NODE_BY_NODE)], [old_daemon("node-b")],
                                 engines=[old_engine("node-b")]), NS, NAME))
     assert kube.of("evict")[1:] == [(NS, "engine-node-b", "uid-engine-node-b")]
+
+
+# ------------------------------------------------------------------ daemon replacements
+
+def replaced_scene(kube: RecordingKube, carry_seconds: float = gate.CARRY_SECONDS
+                   ) -> tuple[Reconciler, State, DaemonPodView]:
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0,
+                            carry_seconds=carry_seconds)
+    reports = annotations(device_report("cpu", DIGEST, transport="memfd", instance="a" * 16))
+    old = dataclasses.replace(daemon_pod(reports=reports), uid="old-uid",
+                              containers_running=True)
+    return reconciler, state(pods=[old]), old
+
+
+def test_a_replaced_daemon_pod_closes_no_gate_until_its_successor_decides(
+    kube: RecordingKube,
+) -> None:
+    """Issue 42 item 2, as the operator lives it: the pod is deleted (terminating), gone,
+    its successor starts without a report, re-adopts, reports Ready and turns Ready; not
+    one gate write closes the gate, and the node keeps its label."""
+    reconciler, st, old = replaced_scene(kube)
+    new = dataclasses.replace(daemon_pod("wc-new", ready=False, reports={}), uid="new-uid",
+                              containers_running=True)
+
+    def readopting(state: str, **fields: Any) -> dict[str, str]:
+        return annotations(device_report("cpu", DIGEST, transport="memfd", state=state,
+                                         instance="b" * 16, **fields))
+
+    steps = [
+        [dataclasses.replace(old, terminating=True, ready=False)],
+        [],
+        [new],
+        [dataclasses.replace(new, reports=readopting("Loading", load_phase="re-adopting"))],
+        [dataclasses.replace(new, reports=readopting("Ready", readopted=True))],
+        [dataclasses.replace(new, ready=True,
+                             reports=readopting("Ready", readopted=True))],
+    ]
+
+    async def replace() -> None:
+        await reconciler.cache(st, NS, NAME)
+        catch_up(st, kube)
+        for pods in steps:
+            st.daemon_pods_index[(NS, NAME, NODE)] = pods  # type: ignore[index]
+            await reconciler.daemon_pod(st, NS, NAME, NODE)
+            await reconciler.flush()
+
+    run(replace())
+    assert {g[1] for g in kube.of("gate")} == {"True"}, kube.of("gate")
+    assert kube.of("labels") == [(NODE, {names.NODE_LABEL_PREFIX + LABEL: "Ready"})]
+    assert "wc-new" in kube.conditions["engine-1"].message  # its own verdict at the end
+    assert all(s["readyNodes"] == 1 for s in kube.of("status")), kube.of("status")
+
+
+def test_a_successor_that_takes_nothing_back_or_never_decides_closes_the_gate(
+    kube: RecordingKube,
+) -> None:
+    """The carry ends when the successor loads from disk instead (the engines' weights were
+    not taken back: a checksum did not match, no manifest), and after carry_seconds when it
+    never decides (a dead node); a restarted operator carries nothing it did not see."""
+    reconciler, st, old = replaced_scene(kube, carry_seconds=0.5)
+    from_disk = annotations(device_report("cpu", DIGEST, transport="memfd", state="Loading",
+                                          load_phase="loading", instance="b" * 16))
+    new = dataclasses.replace(daemon_pod("wc-new", ready=False, reports=from_disk),
+                              uid="new-uid", containers_running=True)
+
+    async def scene(pods: list[list[DaemonPodView]], wait: float = 0.0) -> None:
+        await reconciler.cache(st, NS, NAME)
+        catch_up(st, kube)
+        for step in pods:
+            st.daemon_pods_index[(NS, NAME, NODE)] = step  # type: ignore[index]
+            await reconciler.daemon_pod(st, NS, NAME, NODE)
+            await reconciler.flush()
+        await asyncio.sleep(wait)
+        await reconciler.flush()
+
+    run(scene([[], [new]]))
+    assert [g[1:] for g in kube.of("gate")][-1] == ("False", gate.DAEMON_NOT_READY)
+    assert [g[1] for g in kube.of("gate")].count("False") == 1
+    kube.writes.clear()
+    reconciler, st, old = replaced_scene(kube, carry_seconds=0.5)
+    run(scene([[]], wait=1.0))  # nobody ever comes: closed when the bound ends, by a timer
+    assert [g[1:] for g in kube.of("gate")][-1] == ("False", gate.NO_DAEMON_ON_NODE)
+
+    # An operator started mid-replacement never saw the old pod's verdict hold.
+    fresh = Reconciler(RecordingKube(), POLICY, operator_uid=65532)
+    run(fresh.cache(state(pods=[dataclasses.replace(old, terminating=True)]), NS, NAME))
+    assert fresh.kube.conditions["engine-1"].status == "False"  # type: ignore[attr-defined]
+
+
+def test_an_operator_remembers_what_holds_before_its_first_apply_replaces_daemons(
+    kube: RecordingKube,
+) -> None:
+    """An operator upgrade renders a new DaemonSet template, which replaces every daemon
+    pod: the new operator judges the nodes before it applies, so the replacement it causes
+    is carried too."""
+    reconciler, st, old = replaced_scene(kube)
+    run(reconciler.apply_daemonset(st, cache()))
+    assert kube.of("daemonset") and kube.of("gate") == []  # nothing written but the apply
+    st.daemon_pods_index[(NS, NAME, NODE)] = [dataclasses.replace(old, terminating=True)]  # type: ignore[index]
+    run(reconciler.cache(st, NS, NAME))
+    assert kube.conditions["engine-1"].status == "True"
+    assert "replaced (terminating)" in kube.conditions["engine-1"].message
+
+
+def test_a_killed_daemon_keeping_old_weights_closes_no_gate_and_its_dead_report_opens_none(
+    kube: RecordingKube,
+) -> None:
+    """The daemon pod keeps the old generation for the engines bound to it and is SIGKILLed:
+    kubelet restarts it in the same pod, where the dead process's report (still listing the
+    kept weights) stays until its successor writes. That report must neither count as the
+    successor's (it would open, then the successor's first report close, the gate) nor
+    close anything: the verdict is carried until the successor keeps the weights again."""
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0)
+    kept = RetainedReport(spec_hash=OLD, fingerprint="e" * 64, preloaded_weights_bytes=GIB,
+                          expected_bytes=GIB)
+
+    def reports(instance: str, **fields: Any) -> dict[str, str]:
+        return annotations(device_report("cpu", DIGEST, transport="memfd", instance=instance,
+                                         **fields))
+
+    alive = dataclasses.replace(
+        daemon_pod(reports=reports("a" * 16, retained=[kept])), uid="pod-uid",
+        containers_running=True)
+    old_engine_pod = dataclasses.replace(engine(name="old"), bindings={
+        names.binding_key(NS, NAME): OLD})
+    st = state(pods=[alive], engines=[old_engine_pod])
+    steps = [
+        dataclasses.replace(alive, ready=False, containers_running=False),  # killed
+        dataclasses.replace(alive, ready=False, restarts=1),  # restarted, its report stale
+        dataclasses.replace(alive, ready=False, restarts=1, reports=reports(
+            "b" * 16, state="Loading", load_phase="re-adopting")),
+        dataclasses.replace(alive, ready=False, restarts=1, reports=reports(
+            "b" * 16, state="Loading", load_phase="loading", retained=[kept])),
+    ]
+
+    async def kill() -> None:
+        await reconciler.cache(st, NS, NAME)
+        catch_up(st, kube)
+        for pod in steps:
+            st.daemon_pods_index[(NS, NAME, NODE)] = [pod]  # type: ignore[index]
+            await reconciler.daemon_pod(st, NS, NAME, NODE)
+            await reconciler.flush()
+            messages.append(kube.conditions["old"].message)
+
+    messages: list[str] = []
+    run(kill())
+    assert {g[1] for g in kube.of("gate") if g[0] == "old"} == {"True"}, (kube.of("gate"), messages)
+    # Killed, restarted and re-adopting: carried; keeping the weights again: its own.
+    assert ["replaced" in m for m in messages] == [True, True, True, False], messages
+    assert "keep" in messages[-1]

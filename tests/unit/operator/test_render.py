@@ -437,3 +437,17 @@ def test_the_daemon_cli_accepts_what_is_rendered(raw: dict) -> None:
             assert command[:2] == ["weightcache-sidecar", "probe"]
             probe_args = probe_parser().parse_args(command[2:])
             assert probe_args.socket_path_file == args.socket_path_file
+
+
+@pytest.mark.parametrize(("strategy", "update", "flag"), [
+    ("Auto", "RollingUpdate", None),  # the daemon's default: wait for room beside kept ones
+    ("Surge", "RollingUpdate", "surge"),
+    ("NodeByNode", "OnDelete", "surge"),  # room was made first; an unbound engine holds none
+])
+def test_the_strategy_reaches_the_daemonset_and_the_daemons(
+    strategy: str, update: str, flag: str | None
+) -> None:
+    ds = render({**GPU, "rollout": {"strategy": strategy}})
+    assert ds["spec"]["updateStrategy"]["type"] == update
+    args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (args[args.index("--rollout") + 1] if "--rollout" in args else None) == flag
