@@ -42,7 +42,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("env", "checkpoint", "cold", "warm", "kill9", "report")
 MiB = 1 << 20
-DAEMON_HTTP = ("127.0.0.1", 8470)
+DAEMON_HTTP = ("127.0.0.1", 8470)  # rank r's daemon at TP > 1: port 8470 + r
+# The WeightCache name the TP daemons and engines derive their sockets from
+# (<socket_dir>/<namespace>.<name>/gpu-<UUID>.sock).
+TP_CACHE = "wcbench.llama"
 PROBE_MODULE = "wcbench_probe"
 # The published Llama-3-8B config (the shape of tests/fixtures/plans/vllm-llama-3-8b.json).
 LLAMA3_8B = {
@@ -91,6 +94,9 @@ class StartPlan:
     # The engine's deterministic mode: two loads of the same bytes must give bit-equal
     # outputs. Eager starts run in it.
     deterministic: bool = False
+    # Tensor parallel only: the last rank holds an extra buffer the others do not (the
+    # uneven case of issue 45: the KV correction must come before the ranks' MIN).
+    uneven: bool = False
 
     @property
     def mode(self) -> str:
@@ -152,6 +158,29 @@ class Cli:
     utilization_flag: str  # the engine's own name for the device fraction it may use
     utilization: float
     tight_utilization: float
+    # The tensor-parallel sizes the harness runs (--tp); (1,): no --tp option at all.
+    tp_sizes: tuple[int, ...] = (1,)
+    # The extra buffer of the uneven TP case (--uneven-mib), MiB.
+    uneven_mib: int = 2048
+
+
+def tp_result_name(result_name: str, tp: int, gpu: str | None = None) -> str:
+    """The result file of a run at ``tp`` ranks: ``result_name`` at TP 1 (the single-GPU
+    harness's, unchanged); else ``<engine>-tp<N>-real.json``, named for the machine once its
+    GPU is known (``h100x2-vllm-tp2-real.json``, as ``benchmarks/results`` keeps them)."""
+    if tp == 1:
+        return result_name
+    stem, sep, rest = result_name.partition("-real")
+    name = f"{stem}-tp{tp}{sep}{rest}" if sep else f"tp{tp}-{result_name}"
+    return f"{gpu}x{tp}-{name}" if gpu else name
+
+
+def gpu_slug(smi: str) -> str | None:
+    """``h100``, ``h200``, ``a100``... from nvidia-smi's ``name, driver, memory`` line (the
+    first GPU's), as result files are named; None when no NVIDIA model is named there."""
+    first = smi.splitlines()[0] if smi else ""
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", first.split(",")[0].upper())
+    return match[1].lower() if match else None
 
 
 def parse_args(cli: Cli, argv: Sequence[str] | None,
@@ -165,7 +194,8 @@ def parse_args(cli: Cli, argv: Sequence[str] | None,
                         help=f"'all' (what is not done yet) or some of {', '.join(PHASES)}")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"),
                         help="the offline-installed engine environment (tools/offline_env.py)")
-    parser.add_argument("--work", type=Path, default=cli.work)
+    parser.add_argument("--work", type=Path, default=None,
+                        help=f"state folder (default: {cli.work}, with -tpN at TP > 1)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"result file (default: $OUT/{cli.result_name}, else "
                              "benchmarks/results)")
@@ -179,7 +209,14 @@ def parse_args(cli: Cli, argv: Sequence[str] | None,
     parser.add_argument("--logprobs", type=int, default=5)
     parser.add_argument("--deadline-s", type=float, default=540.0,
                         help="start no engine that would not finish within this many seconds")
+    if len(cli.tp_sizes) > 1:
+        parser.add_argument("--tp", type=int, choices=cli.tp_sizes, default=cli.tp_sizes[0],
+                            help="tensor-parallel ranks: one GPU and one daemon each")
+        parser.add_argument("--uneven-mib", type=int, default=cli.uneven_mib,
+                            help="TP > 1: the extra buffer the last rank holds in the "
+                                 "uneven case (MiB, a multiple of 2: the allocator's segments)")
     args = parser.parse_args(argv)  # fmt: skip
+    args.tp = getattr(args, "tp", 1)
     try:
         args.phases = resolve_phases(args.phase)
     except ValueError as exc:
@@ -191,8 +228,14 @@ def parse_args(cli: Cli, argv: Sequence[str] | None,
     for name in ("restarts", "prompts", "max_tokens", "logprobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.tp > 1 and (args.uneven_mib < 2 or args.uneven_mib % 2):
+        parser.error("--uneven-mib must be a positive multiple of 2")
+    if args.work is None:
+        args.work = cli.work if args.tp == 1 else cli.work.with_name(f"{cli.work.name}-tp{args.tp}")
+    # At TP > 1 the default file is renamed for the GPU once the env phase has named it.
+    args.out_auto = args.out is None and args.tp > 1
     if args.out is None:
-        args.out = default_out(environ, cli.result_name)
+        args.out = default_out(environ, tp_result_name(cli.result_name, args.tp))
     return args
 
 
@@ -600,6 +643,22 @@ def envcheck(engine: str, plugin_group: str, modules: Sequence[str]) -> dict:
     }  # fmt: skip
 
 
+def parse_compute_apps_by_gpu(text: str) -> dict[str, dict[str, int]]:
+    """``nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,
+    nounits``: GPU UUID -> pid -> MiB (a process on two GPUs is listed on each)."""
+    gpus: dict[str, dict[str, int]] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            gpus.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    return gpus
+
+
+def nvidia_smi_apps_by_gpu() -> str:
+    return run_text(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
+                     "--format=csv,noheader,nounits"])  # fmt: skip
+
+
 def nvidia_smi_apps() -> str:
     return run_text(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                      "--format=csv,noheader,nounits"])  # fmt: skip
@@ -678,7 +737,17 @@ class Bench:
         self.args = args
         self.work: Path = args.work
         self.model = self.work / "model"
+        # Tensor parallel: one daemon per rank, rank r on GPU r, each finding its socket by
+        # its GPU's UUID under socket_dir/cache as the adapter derives it (TP 1: one socket
+        # path, as before).
+        self.tp: int = getattr(args, "tp", 1)
         self.socket = self.work / "sock" / "gpu.sock"
+        self.socket_dir = self.work / "sock"
+        self.cache = TP_CACHE
+        # The rank whose daemon the kill9 phase kills: the last (TP 1: the only one).
+        self.kill_rank = self.tp - 1
+        # Daemons launched and not yet ready: (record number, why, rank).
+        self._launching: list[tuple[int, str, int]] = []
         self.logs = self.work / "logs"
         self.outputs = self.work / "outputs"
         self.result_path = self.work / "result.json"
@@ -749,6 +818,12 @@ class Bench:
     def start_spec(self, plan: StartPlan) -> dict:
         """What an engine start needs beyond the common spec (engine-specific keys)."""
         return {}
+
+    def uneven_spec(self, plan: StartPlan) -> dict | None:
+        """TP > 1: the uneven case's extra buffer for ``plan`` (None: every rank even)."""
+        if not plan.uneven:
+            return None
+        return {"rank": self.tp - 1, "bytes": self.args.uneven_mib * MiB, "arm": plan.arm}
 
     # ---------------------------------------------------------------- environments
 
@@ -838,66 +913,117 @@ class Bench:
                 say(f"killed the engine process group {pid} an earlier call left running")
             path.unlink()
 
-    def daemon_pid(self) -> int | None:
-        path = self.work / "daemon.json"
+    def daemon_file(self, rank: int) -> Path:
+        """Where rank ``rank``'s daemon's pid is kept (TP 1: ``daemon.json``, as before)."""
+        return self.work / ("daemon.json" if self.tp == 1 else f"daemon-r{rank}.json")
+
+    def daemon_pid(self, rank: int = 0) -> int | None:
+        path = self.daemon_file(rank)
         if not path.exists():
             return None
         pid = json.loads(path.read_text())["pid"]
         return pid if alive(pid) else None
 
-    def start_daemon(self, why: str) -> dict:
-        """A daemon on the checkpoint over vmm_fd, in a session of its own (it outlives this
-        call), waited for until ready; returns its record."""
-        n = len(self.doc["daemons"])
+    def daemon_pids(self) -> list[int]:
+        """Every rank's daemon that is running."""
+        return [pid for pid in map(self.daemon_pid, range(self.tp)) if pid is not None]
+
+    def daemon_http(self, rank: int) -> tuple[str, int]:
+        """Rank ``rank``'s daemon's HTTP address: one port each (they share the host)."""
+        return DAEMON_HTTP[0], DAEMON_HTTP[1] + rank
+
+    def rank_socket(self, rank: int) -> Path:
+        """Rank ``rank``'s daemon socket: TP 1 the fixed path; else the path its daemon
+        derived from its GPU's UUID and wrote to its ``--socket-path-file``."""
+        if self.tp == 1:
+            return self.socket
+        return Path(read(self.work / f"daemon-r{rank}.socket").strip() or "/nonexistent")
+
+    def daemon_command(self, rank: int) -> list[str]:
+        """The daemon's command line for ``rank``: TP 1 as ever; else pinned to GPU ``rank``,
+        holding that rank's shards, its socket named by the GPU's UUID (as the adapter's
+        ranks look for it) under socket_dir/cache."""
+        common = [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model",
+                  str(self.model), "--device", f"cuda:{rank}", "--transport", "vmm_fd",
+                  "--http-address", ":".join(map(str, self.daemon_http(rank)))]  # fmt: skip
+        if self.tp == 1:
+            return [*common, "--socket", str(self.socket)]
+        return [*common, "--socket-dir", str(self.socket_dir), "--cache", self.cache,
+                "--tp-size", str(self.tp), "--tp-rank", str(rank), "--shard-plan", "llama",
+                "--socket-path-file", str(self.work / f"daemon-r{rank}.socket")]  # fmt: skip
+
+    def launch_daemon(self, why: str, rank: int = 0) -> tuple[subprocess.Popen, Path, float]:
+        """Rank ``rank``'s daemon in a session of its own (it outlives this call), not yet
+        waited for."""
+        n = len(self.doc["daemons"]) + len(self._launching)
         log = self.logs / f"daemon-{n}.log"
+        (self.work / f"daemon-r{rank}.socket").unlink(missing_ok=True)
         started = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache.daemon.cli", "serve", "--model", str(self.model),
-             "--device", "cuda:0", "--transport", "vmm_fd", "--socket", str(self.socket),
-             "--http-address", ":".join(map(str, DAEMON_HTTP))],
-            env=self.daemon_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        write_json(self.work / "daemon.json", {"pid": proc.pid, "log": str(log)})
+        proc = subprocess.Popen(self.daemon_command(rank), env=self.daemon_env(),
+                                stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        write_json(self.daemon_file(rank), {"pid": proc.pid, "log": str(log)})
+        self._launching.append((n, why, rank))
+        return proc, log, started
+
+    def wait_daemon(self, proc: subprocess.Popen, log: Path, started: float,
+                    rank: int = 0) -> dict:  # fmt: skip
+        """Wait for a launched daemon to be ready; its record (in the result's daemons)."""
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"the daemon exited ({proc.returncode}): {tail(log)}")
-            if http_get(DAEMON_HTTP, "/readyz")[0] == 200:
+            if http_get(self.daemon_http(rank), "/readyz")[0] == 200:
                 break
             if time.time() - started > 600:
                 raise RuntimeError(f"the daemon was not ready after 600 s: {tail(log)}")
             time.sleep(0.1)
         ready = time.time()
+        n, why = next((n, w) for n, w, r in self._launching if r == rank)
+        self._launching = [e for e in self._launching if e[2] != rank]
         record = {"n": n, "why": why, "pid": proc.pid, "spawn_to_ready_s": ready - started,
-                  "status": self.daemon_status()}  # fmt: skip
+                  "status": self.daemon_status(rank)}  # fmt: skip
+        if self.tp > 1:
+            record["rank"] = rank
         self.doc["daemons"].append(record)
-        say(f"daemon {n} (pid {proc.pid}) ready in {record['spawn_to_ready_s']:.1f} s: "
-            f"{record['status'].get('load_source')}, {record['status'].get('load_reason')}")
+        say(f"daemon {n} (pid {proc.pid}{f', rank {rank}' if self.tp > 1 else ''}) ready in "
+            f"{record['spawn_to_ready_s']:.1f} s: {record['status'].get('load_source')}, "
+            f"{record['status'].get('load_reason')}")  # fmt: skip
         return record
 
-    def daemon_status(self) -> dict:
+    def start_daemon(self, why: str, rank: int = 0) -> dict:
+        """Rank ``rank``'s daemon on the checkpoint over vmm_fd, in a session of its own (it
+        outlives this call), waited for until ready; returns its record."""
+        return self.wait_daemon(*self.launch_daemon(why, rank), rank=rank)
+
+    def daemon_status(self, rank: int = 0) -> dict:
         """The daemon's full status (load_reason included: the socket's, not HTTP's)."""
         text = run_text([sys.executable, "-m", "weightcache.daemon.cli", "status", "--socket",
-                         str(self.socket)], env=self.daemon_env(), timeout=120)  # fmt: skip
+                         str(self.rank_socket(rank))], env=self.daemon_env(),
+                        timeout=120)  # fmt: skip
         try:
             return json.loads(text)
         except ValueError:
             return {"unreadable": text[-2000:]}
 
     def stop_daemon(self) -> None:
-        pid = self.daemon_pid()
-        if pid is None:
-            return
-        os.kill(pid, signal.SIGTERM)
-        if not wait(lambda: not alive(pid), 60):
-            os.kill(pid, signal.SIGKILL)
-            wait(lambda: not alive(pid), 30)
-        say(f"daemon pid {pid} stopped")
+        """Every rank's daemon."""
+        for pid in self.daemon_pids():
+            os.kill(pid, signal.SIGTERM)
+            if not wait(lambda pid=pid: not alive(pid), 60):
+                os.kill(pid, signal.SIGKILL)
+                wait(lambda pid=pid: not alive(pid), 30)
+            say(f"daemon pid {pid} stopped")
 
     def ensure_daemon(self) -> int:
-        pid = self.daemon_pid()
+        """Every rank's daemon running (those missing started together, as a node's
+        daemons start: each reads its own shards); rank 0's pid."""
+        launched = [(rank, self.launch_daemon("warm phase", rank)) for rank in range(self.tp)
+                    if self.daemon_pid(rank) is None]  # fmt: skip
+        for rank, (proc, log, started) in launched:
+            self.wait_daemon(proc, log, started, rank=rank)
+        pid = self.daemon_pid(0)
         if pid is None:
-            pid = self.start_daemon("warm phase")["pid"]
+            raise RuntimeError("rank 0's daemon is not running")
         return pid
 
     # ---------------------------------------------------------------- engine starts
@@ -931,10 +1057,14 @@ class Bench:
             "figures": str(self.work / f"{plan.run}.figures.json"),
             **self.start_spec(plan),
         }  # fmt: skip
+        if self.tp > 1:
+            spec.update({"tp": self.tp, "socket_dir": str(self.socket_dir), "cache": self.cache,
+                         "uneven": self.uneven_spec(plan)})  # fmt: skip
         for key in ("events", "stop", "figures"):
             Path(spec[key]).unlink(missing_ok=True)
         write_json(spec_path, spec)
         free_before = gpu_free_bytes()
+        free_before_by_gpu = gpus_free_bytes() if self.tp > 1 else None
         say(f"{plan.run}: starting ({plan.arm}, {plan.mode}, utilization "
             f"{spec['utilization']}{', deterministic' if plan.deterministic else ''})")
         env = self.engine_env()
@@ -979,6 +1109,10 @@ class Bench:
                         "wall_s": wall, "exit_code": code,
                         "device_free_before_bytes": free_before,
                         "log": self.parse_log(text)}  # fmt: skip
+        if self.tp > 1:
+            record["device_free_before_bytes_by_gpu"] = free_before_by_gpu
+        if plan.uneven:
+            record["uneven"] = True
         if serving_error is not None or not result_path.exists():
             record["status"] = "timed out" if code is None else "failed"
             record["error"] = serving_error
@@ -1038,10 +1172,10 @@ class Bench:
     def wait_gpu_idle(self) -> None:
         """No engine process of ours left on the GPU (the daemon may stay): the next start
         must find the memory a fresh GPU has."""
-        daemon = str(self.daemon_pid())
+        daemons = {str(pid) for pid in self.daemon_pids()}
 
         def others() -> list[str]:
-            return [pid for pid in parse_compute_apps(nvidia_smi_apps()) if pid != daemon]
+            return [pid for pid in parse_compute_apps(nvidia_smi_apps()) if pid not in daemons]
 
         if wait(lambda: not others(), 60):
             return
@@ -1130,23 +1264,38 @@ class Bench:
                                   "wall_s": time.time() - started}  # fmt: skip
         say(f"checkpoint: {self.doc['checkpoint']}")
 
+    def schedule(self, arm: str) -> list[StartPlan]:
+        """An arm's starts (an engine's harness may add its own)."""
+        return schedule(arm, self.args.restarts)
+
     def phase_cold(self) -> None:
         self.stop_daemon()  # a cold start has the GPU to itself
-        self.run_schedule(schedule("cold", self.args.restarts))
+        self.run_schedule(self.schedule("cold"))
 
     def phase_warm(self) -> None:
         self.ensure_daemon()
-        self.run_schedule(schedule("warm", self.args.restarts))
+        self.run_schedule(self.schedule("warm"))
         self.doc["daemon_after_warm"] = {
             "status": self.daemon_status(),
             "compute_apps_mib": parse_compute_apps(nvidia_smi_apps()),
         }  # fmt: skip
+        if self.tp > 1:
+            # Per rank: its daemon's status and each GPU's processes (a pid's MiB on each).
+            self.doc["daemon_after_warm"]["ranks"] = [self.daemon_status(r)
+                                                      for r in range(self.tp)]
+            self.doc["daemon_after_warm"]["compute_apps_by_gpu"] = parse_compute_apps_by_gpu(
+                nvidia_smi_apps_by_gpu())
 
     def phase_kill9(self) -> None:
         if self.left() < KILL9_GUESS_S:
             raise Incomplete(f"kill9 needs about {KILL9_GUESS_S} s, {self.left():.0f} s left")
-        old = self.ensure_daemon()
+        self.ensure_daemon()
+        old = self.daemon_pid(self.kill_rank)
+        if old is None:
+            raise RuntimeError(f"rank {self.kill_rank}'s daemon is not running")
         kill: dict = {"old_daemon_pid": old}
+        if self.tp > 1:
+            kill["rank"] = self.kill_rank
 
         def while_serving(events: Path, proc: subprocess.Popen) -> None:
             def served_since(t: float) -> int:
@@ -1162,7 +1311,8 @@ class Bench:
             if not wait(lambda: served_since(kill["killed_at"]) >= 3, 120):
                 raise RuntimeError("the engine served no three batches without its daemon")
             kill["restarted_at"] = time.time()
-            kill["new_daemon"] = self.start_daemon("after kill -9 of the previous one")
+            kill["new_daemon"] = self.start_daemon("after kill -9 of the previous one",
+                                                   rank=self.kill_rank)
             kill["new_daemon_ready_at"] = time.time()
             if not wait(lambda: served_since(kill["new_daemon_ready_at"]) >= 3, 120):
                 raise RuntimeError("the engine served no three batches after the new daemon")
@@ -1221,6 +1371,12 @@ def http_get(address: tuple[str, int], path: str) -> tuple[int, str]:
             return r.status, r.read().decode()
     except OSError as exc:
         return getattr(exc, "code", 0) or 0, ""
+
+
+def gpus_free_bytes() -> list[int | None]:
+    """Each GPU's free memory, in nvidia-smi's index order."""
+    text = run_text(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"])
+    return [int(line) * MiB if line.strip().isdigit() else None for line in text.splitlines()]
 
 
 def gpu_free_bytes() -> int | None:

@@ -73,6 +73,14 @@ logprobs are what two loads are compared by; and a tokenizer of
 Llama-3's 128,256 tokens would have to be made up here, adding a part
 that is the same in both arms and no part of loading.
 
+``--tp 2`` (issue 45; benchmarks/README.md, "Real vLLM at TP=2"): the same phases at
+``tensor_parallel_size=2`` with one daemon per GPU (rank r's shards on ``cuda:r``, its
+socket named by the GPU's UUID under ``socket_dir``/``cache``, where the adapter's rank r
+looks), every rank's figures recorded, an uneven start per arm (the last rank holds an
+extra buffer: correct-then-MIN against MIN-then-correct), kill -9 of the last rank's
+daemon; state under /tmp/wc-vllm-tp2, the result ``<gpu>x2-vllm-tp2-real.json``. The pure
+parts are in ``benchmarks/vllm_tp2_real.py``.
+
 The engine processes run on the offline-installed torch 2.14 and vLLM
 (``--site`` first on PYTHONPATH, its NCCL on LD_LIBRARY_PATH); the daemon
 and the checkpoint writer run on the image's own torch (2.11 on the H200
@@ -99,7 +107,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file on the GPU machine (no install of this project)
     sys.path.insert(0, str(REPO))
 
-from benchmarks import engine_real  # noqa: E402
+from benchmarks import engine_real, vllm_tp2_real  # noqa: E402
 from benchmarks.engine_real import (  # noqa: E402, F401 - the harness's names, tests use them
     KV_PAIRS,
     LLAMA3_8B,
@@ -129,8 +137,11 @@ MiB = 1 << 20
 CLI = engine_real.Cli(
     prog="vllm_real", description=__doc__.split("\n\n")[0], result_name=RESULT_NAME,
     work=Path("/tmp/wc-vllm"), utilization_flag="--gpu-memory-utilization",
-    utilization=0.9, tight_utilization=0.95,
+    utilization=0.9, tight_utilization=0.95, tp_sizes=(1, 2),
 )  # fmt: skip
+# The uneven TP case's extra buffer, handed from the driver to its worker processes
+# (they inherit its environment): JSON {"rank", "bytes", "arm"}.
+UNEVEN_ENV = "WCBENCH_UNEVEN"
 DETERMINISTIC_METHOD = "VLLM_BATCH_INVARIANT=1, eager: bit-equal required"
 GRAPHS_METHOD = "vLLM's defaults (not deterministic): within the cold-vs-cold floor"
 
@@ -270,6 +281,9 @@ def build_report(doc: Mapping) -> dict:
                    "copied_bytes": s["figures"]["load"].get("copied_bytes")}
         for s in ok
     }  # fmt: skip
+    tp = (doc.get("settings") or {}).get("tensor_parallel_size", 1)
+    if tp > 1:
+        report["tp"] = vllm_tp2_real.tp_report(doc, tp, explain_kv, device_use)
     return report
 
 
@@ -296,6 +310,8 @@ def device_use(cold: Mapping, warm: Mapping, daemon_mib: int | None) -> dict:
 
 _PROBE: dict = {}
 _DEPTH = [0]
+# The uneven case's buffer, held for the process's life (never freed: vLLM measures after).
+_HELD: list = []
 
 
 # The worker's start, in vLLM 0.33's order (EngineCore.__init__ and its KV set-up): each
@@ -377,7 +393,9 @@ def _budget(original: Callable) -> Callable:
             "device_bytes": free_before - torch.cuda.mem_get_info()[0],
             "external_bytes": external,
         })  # fmt: skip
-        return external
+        # The uneven case, warm: this rank holds the extra buffer before vLLM's snapshot, as
+        # a daemon holding more would, and counts it with the weights' external bytes.
+        return external + _uneven("warm")
 
     get_external_weight_memory.wcbench = True
     return get_external_weight_memory
@@ -397,6 +415,9 @@ def _recording(original: Callable) -> Callable:
                 started = time.perf_counter()
             model = original(self, *args, **kwargs)
             if outer:
+                # The uneven case, cold: the extra buffer is this rank's own allocation during
+                # its load (after vLLM's snapshot), as more weights loaded by itself would be.
+                _uneven("cold")
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - started
                 free_after = torch.cuda.mem_get_info()[0]
@@ -413,6 +434,32 @@ def _recording(original: Callable) -> Callable:
 
     load_model.wcbench = True
     return load_model
+
+
+def _uneven(arm: str) -> int:
+    """The uneven case's extra buffer (``WCBENCH_UNEVEN``): allocated once, on the rank it
+    names, in the arm it names (warm: at the budget call, before vLLM's snapshot; cold: in
+    the load); its bytes on that rank, else 0."""
+    spec = json.loads(os.environ.get(UNEVEN_ENV) or "null")
+    if not spec or spec["arm"] != arm or _tp_rank() != spec["rank"]:
+        return 0
+    if "uneven" not in _PROBE:
+        import torch
+
+        _HELD.append(torch.zeros(spec["bytes"], dtype=torch.uint8,
+                                 device=torch.cuda.current_device()))  # fmt: skip
+        torch.cuda.synchronize()
+        _PROBE["uneven"] = {**spec, "allocated_at": "budget" if arm == "warm" else "load"}
+    return spec["bytes"]
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 before vLLM's groups exist: TP 1)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
 
 
 def _adapter_report(loader: object, args: tuple, kwargs: dict) -> dict:
@@ -457,7 +504,14 @@ def _worker_figures(worker: object) -> dict:
     per_block = sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
                     for group in kv_config.kv_cache_groups)  # fmt: skip
     free, total = torch.cuda.mem_get_info()
+    tp_fields = {}
+    if worker.parallel_config.tensor_parallel_size > 1:
+        device = torch.cuda.current_device()
+        tp_fields = {"tp_rank": _tp_rank(), "device_index": device,
+                     "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid),
+                     "uneven": _PROBE.get("uneven")}  # fmt: skip
     return {
+        **tp_fields,
         "runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
         "gpu_memory_utilization": worker.cache_config.gpu_memory_utilization,
         "init_snapshot": {k: getattr(snapshot, k) for k in (
@@ -489,18 +543,25 @@ def engine_main(spec_path: Path) -> int:
     """One vLLM start (``_engine SPEC``): the timeline, the outputs, the worker's figures;
     with ``serve`` set, generate the prompt set in a loop until ``stop`` exists."""
     spec = json.loads(spec_path.read_text())
+    tp = spec.get("tp", 1)
+    if spec.get("uneven"):
+        os.environ[UNEVEN_ENV] = json.dumps(spec["uneven"])  # the workers inherit it
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     times = {"imported": time.time()}
-    kwargs = dict(model=spec["model"], dtype="bfloat16", tensor_parallel_size=1,
+    kwargs = dict(model=spec["model"], dtype="bfloat16", tensor_parallel_size=tp,
                   gpu_memory_utilization=spec["utilization"],
                   skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
                   enforce_eager=spec["eager"])  # fmt: skip
     if spec["arm"] == "warm":
         kwargs["load_format"] = "weightcache"
+        # TP > 1: each rank finds its own daemon's socket by its GPU's UUID under
+        # socket_dir/cache, as an unmodified vLLM on a node does (one socket names one daemon).
+        where = {"socket": spec["socket"]} if tp == 1 else {
+            "socket_dir": spec["socket_dir"], "cache": spec["cache"]}
         kwargs["model_loader_extra_config"] = {
-            "socket": spec["socket"], "transports": ["vmm_fd"], "fallback": False,
+            **where, "transports": ["vmm_fd"], "fallback": False,
         }  # fmt: skip
     llm = LLM(**kwargs)
     times["ready"] = time.time()
@@ -516,7 +577,14 @@ def engine_main(spec_path: Path) -> int:
         return [_output(r) for r in llm.generate(prompts, params, use_tqdm=False)]
 
     outputs = generate()
-    (figures,) = llm.collective_rpc("wcbench_figures")
+    ranks = llm.collective_rpc("wcbench_figures")  # one per worker, in rank order
+    if tp == 1:
+        (figures,) = ranks
+    else:
+        # Rank 0's figures at the top (what the TP 1 report reads), every rank's beside.
+        figures = {**ranks[0], "ranks": ranks,
+                   "compute_apps_by_gpu": engine_real.parse_compute_apps_by_gpu(
+                       engine_real.nvidia_smi_apps_by_gpu())}  # fmt: skip
     figures["num_gpu_blocks_engine"] = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     engine_real.finish_start(spec, times, outputs, figures, generate)
     return 0
@@ -564,6 +632,35 @@ class Bench(engine_real.Bench):
     utilization_key = "gpu_memory_utilization"
     phase_order = WORKER_PHASES
 
+    def __init__(self, args) -> None:  # noqa: ANN001 - engine_real.Bench's
+        super().__init__(args)
+        if self.tp > 1:
+            self.log_digest_name = engine_real.tp_result_name(LOG_DIGEST_NAME, self.tp)
+            if not self.doc["phases_done"]:
+                self.doc["issue"] = 45
+
+    def schedule(self, arm: str) -> list[StartPlan]:
+        return vllm_tp2_real.tp_schedule(arm, self.args.restarts, self.tp)
+
+    def save(self) -> None:
+        """As ever; at TP > 1 the default file is named for the GPU once env has read it
+        (``h100x2-vllm-tp2-real.json``)."""
+        slug = engine_real.gpu_slug((self.doc.get("machine") or {}).get("gpu", ""))
+        if getattr(self.args, "out_auto", False) and slug:
+            self.args.out = self.args.out.with_name(
+                engine_real.tp_result_name(RESULT_NAME, self.tp, slug))
+        super().save()
+
+    def phase_env(self) -> None:
+        super().phase_env()
+        if self.tp > 1:
+            gpus = engine_real.run_text(["nvidia-smi", "--query-gpu=index,uuid,name",
+                                         "--format=csv,noheader"]).splitlines()  # fmt: skip
+            self.doc["machine"]["gpus"] = gpus
+            if len(gpus) < self.tp:
+                raise RuntimeError(f"--tp {self.tp} needs {self.tp} GPUs; this machine shows "
+                                   f"{len(gpus)}: {gpus}")  # fmt: skip
+
     def engine_env(self) -> dict[str, str]:
         env = super().engine_env()
         env.update({
@@ -581,10 +678,15 @@ class Bench(engine_real.Bench):
             "tight_utilization": self.args.tight_utilization,
             "restarts": self.args.restarts, "prompts": self.args.prompts,
             "max_tokens": self.args.max_tokens, "logprobs": self.args.logprobs,
-            "tensor_parallel_size": 1, "enable_prefix_caching": False,
+            "tensor_parallel_size": self.tp, "enable_prefix_caching": False,
             "skip_tokenizer_init": True, "transport": "vmm_fd",
             "engine_env": {k: v for k, v in self.engine_env().items()
                            if k.startswith(("VLLM_", "PYTHONPATH", "LD_LIBRARY_PATH"))},
+            **({} if self.tp == 1 else {
+                "daemons": f"one per GPU: --tp-size {self.tp} --tp-rank r --shard-plan llama, "
+                           f"cuda:r, --socket-dir + --cache {self.cache}",
+                "uneven_extra_bytes": self.args.uneven_mib * MiB,
+                "uneven_rank": self.tp - 1, "kill9_rank": self.kill_rank}),
         }  # fmt: skip
 
     def capacity(self, start: Mapping) -> str:
