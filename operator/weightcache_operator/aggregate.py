@@ -291,6 +291,16 @@ def _progressing_condition(
         more = f" (and {len(rollout.blocked) - 1} more)" if len(rollout.blocked) > 1 else ""
         return condition("Progressing", True, node_rollout.EVICTION_BLOCKED,
                          f"{by}: evicting {rollout.blocked[0]}{more}")
+    if rollout is not None and rollout.held:
+        shown = ", ".join(rollout.held[:5]) + (", …" if len(rollout.held) > 5 else "")
+        return condition(
+            "Progressing", True, node_rollout.ROOM_HELD,
+            f"making room: the new generation has waited for room on {len(rollout.held)} "
+            f"node(s) ({shown}) for {node_rollout.ROOM_HELD_SECONDS:g} s or more with no "
+            "engine pod there that the operator can evict: the old weights are held by "
+            "engines without this cache's binding, without the label weightcache.dev/gated, "
+            "past the pod limits, or outside Kubernetes. Delete them, or set "
+            "spec.rollout.strategy: Surge to load beside them")
     if rollout is not None and rollout.active and rollout.strategy == "Auto":
         shown = ", ".join(rollout.rolling[:5]) + (", …" if len(rollout.rolling) > 5 else "")
         return condition("Progressing", True, node_rollout.MAKING_ROOM,

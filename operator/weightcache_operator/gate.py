@@ -7,6 +7,7 @@ the pod's `weightcache.dev/weights-resident` condition. Both are pure.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -227,12 +228,17 @@ class ReportHistory:
     which stay on the pod until its successor overwrites them)."""
 
     restarts: int
-    seen: frozenset[str]
-    stale: frozenset[str] = frozenset()
+    seen: frozenset[bytes]
+    stale: frozenset[bytes] = frozenset()
 
 
-# Report values remembered per pod and restart count before only the current ones are kept.
+# Report values remembered per pod and restart count before only the current ones are kept;
+# remembered by a 16-byte digest each (a report is up to 4 KiB).
 MAX_SEEN_REPORTS = 256
+
+
+def _report_digest(value: str) -> bytes:
+    return hashlib.blake2b(value.encode(), digest_size=16).digest()
 
 
 def fresh_reports(
@@ -243,7 +249,8 @@ def fresh_reports(
     the dead process's report stays until its successor writes: kept weights (which count
     without the pod being Ready) must not be judged by it. A pod first seen after the
     restart cannot be told apart (None: every report counts)."""
-    values = frozenset(pod.reports.values())
+    digests = {k: _report_digest(v) for k, v in pod.reports.items()}
+    values = frozenset(digests.values())
     if history is None:
         return pod, ReportHistory(pod.restarts, values)
     if pod.restarts > history.restarts:
@@ -255,7 +262,7 @@ def fresh_reports(
     if not history.stale & values:
         return pod, history
     return replace(pod, reports={k: v for k, v in pod.reports.items()
-                                 if v not in history.stale}), history
+                                 if digests[k] not in history.stale}), history
 
 
 @dataclass(frozen=True)

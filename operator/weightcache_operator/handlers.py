@@ -40,6 +40,9 @@ DAEMON_POD_SELECTOR = ",".join(f"{k}={v}" for k, v in sorted(DAEMON_LABELS.items
 KOPF_INDICES = ("wc_caches", "wc_daemonsets", "wc_daemon_pods", "wc_nodes")
 RESYNC_SECONDS = 30.0
 SHUTDOWN_FLUSH_SECONDS = 5.0
+SWEEP_RETRY_SECONDS = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def state_of(memo: kopf.Memo, kwargs: dict[str, Any]) -> State:
@@ -144,7 +147,7 @@ async def flush_writes(memo: kopf.Memo, **_: Any) -> None:
         try:
             await asyncio.wait_for(memo.reconciler.flush(), timeout=SHUTDOWN_FLUSH_SECONDS)
         except asyncio.TimeoutError:
-            logging.getLogger(__name__).warning("coalesced writes still due at shutdown")
+            log.warning("coalesced writes still due at shutdown")
 
 
 # --------------------------------------------------------------------------- handlers
@@ -208,6 +211,8 @@ async def daemon_pod_event(
     state = state_of(memo, kwargs)
     cache_ns, cache_name = cache_namespace(namespace, labels), labels.get(names.CACHE_LABEL, "")
     await memo.reconciler.daemon_pod(state, cache_ns, cache_name, spec.get("nodeName"))
+    if event["type"] == "DELETED":
+        memo.reconciler.forget_daemon_pod(event["object"]["metadata"].get("uid", ""))
     cache = state.cache(cache_ns, cache_name)
     if event["type"] == "DELETED" and cache is not None and namespace != state.daemon_namespace:
         # A daemon of the older layout exited: its cache's DaemonSet may now move.
@@ -219,16 +224,29 @@ async def indices_filled(memo: kopf.Memo, **_: Any) -> None:
     """kopf runs event handlers only once every index is filled: engine pods may now be
     judged. Once: the first node event; then the gated pods the watch cannot see (no
     label: admitted before it existed, or its label removed while the operator was down)
-    have any open gate closed."""
+    have any open gate closed, in the background until a sweep completes."""
     if memo.engine_pods.judging:
         return
     memo.engine_pods.judge()
-    state = state_of(memo, memo.indices)
-    queries = podwatch.unwatched_queries(
-        (c.namespace, parsed[0].engine.selector) for c in state.live_caches()
-        if not isinstance(parsed := memo.reconciler.parsed(c), Exception))
-    for pod in await asyncio.to_thread(memo.engine_pods.unwatched_open, queries):
-        await memo.reconciler.close_unwatched_gate(pod)
+    memo.unwatched_sweep = asyncio.create_task(sweep_unwatched(memo))
+
+
+async def sweep_unwatched(memo: kopf.Memo) -> None:
+    """Close the open gates of gated pods outside the watch; a failed list (the apiserver
+    busy or restarting) is tried again, so none is left reported resident for good."""
+    while True:
+        try:
+            state = state_of(memo, memo.indices)
+            queries = podwatch.unwatched_queries(
+                (c.namespace, parsed[0].engine.selector) for c in state.live_caches()
+                if not isinstance(parsed := memo.reconciler.parsed(c), Exception))
+            for pod in await asyncio.to_thread(memo.engine_pods.unwatched_open, queries):
+                await memo.reconciler.close_unwatched_gate(pod)
+            return
+        except Exception:  # logged, and tried again
+            log.exception("closing the gates of unwatched pods failed; trying again in "
+                          "%g s", SWEEP_RETRY_SECONDS)
+            await asyncio.sleep(SWEEP_RETRY_SECONDS)
 
 
 async def engine_pod_changed(memo: kopf.Memo, state: State, change: podwatch.Change) -> None:

@@ -42,9 +42,11 @@ from .spec import LabelSelector
 log = logging.getLogger(__name__)
 
 SELECTOR = f"{names.GATED_LABEL}={names.GATED_VALUE}"
-# Pods per page of the list: a page is held whole while it is read, and a pod may reach the
-# apiserver's 1.5 MiB object limit, so a page is at most ~40 MiB however large the pods.
-PAGE = 25
+# Pods per page of the list: a page is held whole while it is read, parsed. A pod may reach
+# the apiserver's 1.5 MiB object limit, and a pod of many tiny labels parses to up to ~9
+# times its JSON in Python objects (measured), so a page is at most ~55 MB however the pods
+# are made.
+PAGE = 4
 # The server ends a watch after this long (the client waits a little longer); it is then
 # resumed from the last resourceVersion seen.
 WATCH_SECONDS = 300

@@ -158,6 +158,9 @@ class Reconciler:
     _evicted: dict[str, float] = field(default_factory=dict)
     _refusals: dict[str, str] = field(default_factory=dict)
     _eviction_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    # Per cache uid (Auto): per node waiting for room with nothing to evict, since when.
+    _room_waits: dict[str, dict[str, float]] = field(default_factory=dict)
+    _room_rechecks: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     # Coalesced writes: cache statuses, and gate messages (filled in __post_init__).
     _statuses: Coalescer = field(init=False)
     _messages: Coalescer = field(init=False)
@@ -511,6 +514,11 @@ class Reconciler:
         for namespace, name in sorted(caches):
             self.request_status(state, namespace, name)
 
+    def forget_daemon_pod(self, uid: str) -> None:
+        """A daemon pod is gone: what was seen of its reports and readiness goes with it."""
+        self._reports_seen.pop(uid, None)
+        self._ready_restarts.pop(uid, None)
+
     def forget_pod(self, uid: str) -> None:
         """An engine pod is gone: nothing of it is kept."""
         self.gates.forget(uid)
@@ -518,26 +526,30 @@ class Reconciler:
     async def close_unwatched_gate(self, pod: views.EnginePodView) -> None:
         """A pod left the watch while not terminating: deleted at once, or its
         `weightcache.dev/gated` label removed. If its gate was open, close it (that pod
-        only, by uid; a deleted one answers 404): the operator no longer sees what it runs."""
-        # What the pod says, or what we wrote that its last event did not show yet.
-        current = self.gates.current(pod.uid, pod.gate, pod.resource_version)
-        if current is None or current.status != "True":
-            return
-        cond = {
-            "type": names.GATE_CONDITION, "status": "False", "reason": NOT_WATCHED,
-            "message": f"the pod lost its label {names.GATED_LABEL}={names.GATED_VALUE}: the "
-                       "operator no longer watches it",
-            "lastTransitionTime": rfc3339_now(),
-        }
-        try:
-            await self.kube.set_pod_condition(pod.namespace, pod.name, cond, uid=pod.uid)
-        except ApiException as exc:
-            # 404: deleted; 409 or 422: a newer pod of that name (another uid).
-            if exc.status not in (404, 409, 422):
-                metrics.ERRORS.labels("engine_pod").inc()
-                raise
-            return
-        log.info("closed the gate of %s/%s: no longer watched", pod.namespace, pod.name)
+        only, by uid; a deleted one answers 404): the operator no longer sees what it runs.
+
+        Under the pod's lock, so a judgement in flight lands first; and open if the pod
+        showed it open or our last write opened it, at whatever version: a write decided
+        before the label went lands after the event that removed it."""
+        async with self.locks.get(("pod", pod.namespace, pod.name)):
+            shown, wrote = pod.gate, self.gates.last(pod.uid)
+            if not any(c is not None and c.status == "True" for c in (shown, wrote)):
+                return
+            cond = {
+                "type": names.GATE_CONDITION, "status": "False", "reason": NOT_WATCHED,
+                "message": f"the pod lost its label {names.GATED_LABEL}={names.GATED_VALUE}: "
+                           "the operator no longer watches it",
+                "lastTransitionTime": rfc3339_now(),
+            }
+            try:
+                await self.kube.set_pod_condition(pod.namespace, pod.name, cond, uid=pod.uid)
+            except ApiException as exc:
+                # 404: deleted; 409 or 422: a newer pod of that name (another uid).
+                if exc.status not in (404, 409, 422):
+                    metrics.ERRORS.labels("engine_pod").inc()
+                    raise
+                return
+            log.info("closed the gate of %s/%s: no longer watched", pod.namespace, pod.name)
 
     async def node_label(
         self, state: State, node: str, namespace: str, name: str, exclude: str | None = None
@@ -681,6 +693,7 @@ class Reconciler:
         spec, current = parsed
         strategy = spec.rollout.strategy
         if strategy == "Surge":
+            self._room_waits.pop(cache.uid, None)
             return None
         daemons = state.daemon_pods(cache)
         nodes: list[str | None] = [None]  # NodeByNode: every node's engine pods
@@ -690,6 +703,7 @@ class Reconciler:
             daemons = [p for p in daemons if p.node and p.spec_hash == current
                        and not p.ready and not p.terminating]
             if not daemons:
+                self._room_waits.pop(cache.uid, None)
                 return None
             nodes = sorted({p.node for p in daemons})
         retiring: dict[str, list[views.EnginePodView]] = {}
@@ -699,8 +713,13 @@ class Reconciler:
                 if generation != current and pod.node:
                     retiring.setdefault(pod.node, []).append(pod)
                     runs[pod.uid] = generation
+        held: tuple[str, ...] = ()
         if strategy == "Auto":
             plan = rollout.make_room(current, daemons, retiring)
+            held, self._room_waits[cache.uid] = rollout.room_held(
+                plan.rolling, retiring, self._room_waits.get(cache.uid, {}), self.clock())
+            if len(self._room_waits[cache.uid]) > len(held):
+                self._recheck_room(state, cache)
             why_evicted = (f"its node's daemon waits for room to load {current[:12]} beside "
                            "the weights it keeps for older engines (rollout.strategy Auto)")
         else:
@@ -726,7 +745,7 @@ class Reconciler:
                 blocked.append(f"{daemon.namespace}/{daemon.name}: {why}")
         if blocked:
             self._retry_evictions(state, cache)
-        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked), strategy)
+        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked), strategy, held)
 
     async def _evict(self, cache: views.CacheView, namespace: str, name: str, uid: str,
                      message: str) -> str | None:
@@ -758,6 +777,20 @@ class Reconciler:
         self.kube.post_event(_cache_ref(cache), "Normal", rollout.EVICTED, message)
         log.info("%s", message)
         return None
+
+    def _recheck_room(self, state: State, cache: views.CacheView) -> None:
+        """A node waits for room with nothing to evict: judge again once it may count as
+        held (no report of the waiting daemon need come by then)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if cache.uid not in self._room_rechecks:
+            def fire() -> None:
+                self._room_rechecks.pop(cache.uid, None)
+                self.request_status(state, cache.namespace, cache.name)
+
+            self._room_rechecks[cache.uid] = loop.call_later(rollout.ROOM_HELD_SECONDS, fire)
 
     def _retry_evictions(self, state: State, cache: views.CacheView) -> None:
         """Ask refused evictions again after EVICTION_RETRY_SECONDS (a PodDisruptionBudget

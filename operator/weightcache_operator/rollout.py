@@ -48,6 +48,11 @@ EVICTED = "Evicted"
 EVICTION_BLOCKED = "EvictionBlocked"
 ROLLING_NODE_BY_NODE = "RollingNodeByNode"
 MAKING_ROOM = "MakingRoom"
+ROOM_HELD = "RoomHeld"
+# How long a node's daemon may wait for room with no engine pod there the operator could
+# evict before the status says who must act: the daemon drops kept weights 30 s after the
+# last engine lets go, so a shorter wait is a rollout still moving.
+ROOM_HELD_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,12 @@ class Progress:
     blocked: tuple[str, ...] = ()
     # The strategy that drives it: NodeByNode, or Auto (making room where daemons wait).
     strategy: str = "NodeByNode"
+    # Auto: nodes whose daemon has waited for room ROOM_HELD_SECONDS with nothing to evict.
+    held: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
-        return bool(self.rolling or self.waiting or self.blocked)
+        return bool(self.rolling or self.waiting or self.blocked or self.held)
 
 
 def unavailable_budget(max_unavailable: int | str, nodes: int) -> int:
@@ -162,3 +169,21 @@ def make_room(
              for e in sorted(retiring.get(node, ()), key=lambda e: (e.namespace, e.name))
              if not e.terminating]
     return Plan(evict_engines=tuple(evict), rolling=tuple(nodes))
+
+
+def room_held(
+    waiting: Sequence[str],
+    retiring: Mapping[str, Sequence[EnginePodView]],
+    since: Mapping[str, float],
+    now: float,
+    after: float = ROOM_HELD_SECONDS,
+) -> tuple[tuple[str, ...], dict[str, float]]:
+    """Of the nodes whose daemon waits for room (`waiting`), those where it has waited at
+    least `after` seconds with no engine pod there bound to an older generation, evicted or
+    not: what keeps the old weights is then nothing the operator can evict (an engine
+    without this cache's binding, one that left the watch, one past the pod limits, or a
+    process outside Kubernetes). Returns them and, per such node, since when it has had
+    nothing to evict (the next pass's `since`)."""
+    nothing = {node: since.get(node, now) for node in waiting if not retiring.get(node)}
+    held = tuple(sorted(n for n, t in nothing.items() if now - t >= after))
+    return held, nothing

@@ -13,9 +13,15 @@ webhook configurations.
 
 What is added, and when a pod is refused, is decided in inject.py (pure): the
 cache is read from the apiserver at each admission (a list by name, a quorum
-read), never from a watch. Memory is bounded: a request body of at most
-MAX_REQUEST_BYTES, at most CONCURRENCY requests read at once (the others wait
-unread in their sockets).
+read), never from a watch.
+
+The port is open to every pod (the chart cannot know the apiserver's address),
+so a client may hold connections open: a body must arrive within READ_SECONDS,
+at most READS_PER_PEER bodies of one peer address are read at once (the rest
+of that peer's wait), and only then does a request take one of the
+CONCURRENCY slots that decide. One pod trickling bytes into many connections
+delays only its own requests, never the apiserver's. Memory is bounded per
+peer: READS_PER_PEER bodies of at most MAX_REQUEST_BYTES.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import logging
 import os
 import signal
 import ssl
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +50,10 @@ log = logging.getLogger(__name__)
 # A pod is at most 1.5 MiB in etcd; an AdmissionReview of a CREATE carries it once.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 CONCURRENCY = 4
+# The apiserver sends an AdmissionReview at once; a body still arriving after this is a
+# client holding the connection (docs/security.md, "The webhook").
+READ_SECONDS = 2.0
+READS_PER_PEER = 8
 CERT_CHECK_SECONDS = 30.0
 # On SIGTERM, keep answering this long: the Service drops the pod from its endpoints a
 # moment after it starts terminating, and requests routed meanwhile must still be served.
@@ -96,11 +108,36 @@ async def review(body: Mapping[str, Any], read_cache: inject.ReadCache) -> dict[
             "response": response}
 
 
+class PeerReads:
+    """At most `per_peer` reads at once per peer address; the others of that peer wait."""
+
+    def __init__(self, per_peer: int) -> None:
+        self.per_peer = per_peer
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._users: defaultdict[str, int] = defaultdict(int)
+
+    @asynccontextmanager
+    async def slot(self, peer: str) -> AsyncIterator[None]:
+        self._users[peer] += 1
+        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.per_peer))
+        try:
+            async with slots:
+                yield
+        finally:
+            self._users[peer] -= 1
+            if not self._users[peer]:
+                del self._users[peer], self._slots[peer]
+
+    def peers(self) -> int:
+        return len(self._slots)
+
+
 class WebhookServer:
     def __init__(self, config: WebhookConfig, read_cache: inject.ReadCache) -> None:
         self.config = config
         self.read_cache = read_cache
         self._slots = asyncio.Semaphore(CONCURRENCY)
+        self._reads = PeerReads(READS_PER_PEER)
         self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self._stamps = self._load_certificate()
 
@@ -109,9 +146,16 @@ class WebhookServer:
         return (os.stat(self.config.certfile).st_mtime, os.stat(self.config.keyfile).st_mtime)
 
     async def _inject(self, request: web.Request) -> web.Response:
+        async with self._reads.slot(request.remote or ""):
+            try:
+                raw = await asyncio.wait_for(request.read(), READ_SECONDS)
+            except asyncio.TimeoutError:
+                raise web.HTTPRequestTimeout(
+                    text=f"the AdmissionReview did not arrive within {READ_SECONDS:g} s"
+                ) from None
         async with self._slots:
             try:
-                body = json.loads(await request.read())
+                body = json.loads(raw)
             except ValueError:
                 raise web.HTTPBadRequest(text="not an AdmissionReview") from None
             return web.json_response(await review(body, self.read_cache))

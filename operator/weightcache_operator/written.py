@@ -38,6 +38,11 @@ class Written(Generic[V]):
         """`desired` was written, decided on the object at `version`."""
         self._values[key] = (desired, version)
 
+    def last(self, key: Hashable) -> V | None:
+        """What was last written for `key`, whatever version it was decided on."""
+        remembered = self._values.get(key)
+        return remembered[0] if remembered is not None else None
+
     def forget(self, key: Hashable) -> None:
         self._values.pop(key, None)
 

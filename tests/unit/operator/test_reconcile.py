@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.unit.operator.builders import GIB, annotations, device_report
 from weightcache.report import RetainedReport
-from weightcache_operator import aggregate, gate, names, reconcile, render
+from weightcache_operator import aggregate, gate, names, reconcile, render, rollout
 from weightcache_operator.policy import HostPaths, Policy
 from weightcache_operator.reconcile import Reconciler
 from weightcache_operator.shape import shape_digest
@@ -597,6 +597,24 @@ def test_a_one_label_pod_is_gated_by_the_cache_it_names(
     assert kube.of("gate") == [("one-label", "True", gate.WEIGHTS_RESIDENT)]
 
 
+def test_a_pod_that_left_the_watch_while_its_gate_was_being_opened_is_closed(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Review of issue 43: the gate opened on the pod at version 1, the label removed at
+    version 2 before that write was seen; the event that takes the pod out of the watch
+    shows version 2 without the condition. Our own last write (True) still says open."""
+    pod = labelled_engine()
+    run(reconciler.engine_pod(state(engines=[pod]), NS, pod.name, NODE))
+    assert kube.of("gate") == [("one-label", "True", gate.WEIGHTS_RESIDENT)]
+    gone = dataclasses.replace(pod, resource_version="2", gate=None)
+    run(reconciler.close_unwatched_gate(gone))
+    assert kube.of("gate")[-1] == ("one-label", "False", "NotWatched")
+    kube.writes.clear()
+    # A pod whose gate was never opened, by it or by us, is left alone.
+    run(reconciler.close_unwatched_gate(labelled_engine(name="never-opened")))
+    assert kube.of("gate") == []
+
+
 def test_a_pod_of_another_namespace_is_gated_only_where_the_cache_lets_it_in(
     kube: RecordingKube, reconciler: Reconciler
 ) -> None:
@@ -945,6 +963,33 @@ def test_auto_evicts_old_engines_only_where_the_new_daemon_waits_for_room(
     assert next(g for g in status["generations"] if g["fingerprint"] == OLD)["nodes"] == 2
 
 
+def test_a_wait_for_room_with_nothing_to_evict_is_reported_held_naming_what_to_do(
+    kube: RecordingKube,
+) -> None:
+    """Review of issue 42: under Auto, weights kept for an engine the operator cannot evict
+    (here one without the cache's binding: judged current, never retiring) hold the node's
+    new generation for good. After ROOM_HELD_SECONDS of waiting with nothing to evict the
+    status says so and what the owner can do; the wait ending clears it."""
+    now = [1000.0]
+    reconciler = Reconciler(kube, POLICY, operator_uid=65532, status_interval=0,
+                            clock=lambda: now[0])
+    unbound = engine(name="unbound", node="node-a")
+    world = state([cache()], [waiting_daemon("node-a")], engines=[unbound])
+    run(reconciler.status(world, NS, NAME))
+    assert progressing(kube.of("status")[-1]) == ("True", "MakingRoom")
+    now[0] += rollout.ROOM_HELD_SECONDS
+    run(reconciler.status(world, NS, NAME))
+    (cond,) = [c for c in kube.of("status")[-1]["conditions"] if c["type"] == "Progressing"]
+    assert cond["reason"] == "RoomHeld" and "node-a" in cond["message"]
+    assert "spec.rollout.strategy: Surge" in cond["message"]
+    assert kube.of("evict") == []
+    # The daemon found room (the engine went): no longer held, and a later wait starts over.
+    run(reconciler.status(state([cache()], [waiting_daemon("node-a", False)]), NS, NAME))
+    assert progressing(kube.of("status")[-1])[1] != "RoomHeld"
+    run(reconciler.status(world, NS, NAME))
+    assert progressing(kube.of("status")[-1]) == ("True", "MakingRoom")
+
+
 def test_a_cache_evicts_only_pods_it_gates_that_carry_its_own_binding(
     kube: RecordingKube, reconciler: Reconciler
 ) -> None:
@@ -1116,3 +1161,17 @@ def test_a_killed_daemon_keeping_old_weights_closes_no_gate_and_its_dead_report_
     # Killed, restarted and re-adopting: carried; keeping the weights again: its own.
     assert ["replaced" in m for m in messages] == [True, True, True, False], messages
     assert "keep" in messages[-1]
+
+
+def test_what_was_seen_of_a_daemon_pods_reports_goes_with_the_pod(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Review of issue 42: report histories were kept for every daemon pod uid ever judged
+    (a model change makes new ones on every node), up to 256 reports of 4 KiB each. They are
+    kept as 16-byte digests, and dropped when the pod is deleted."""
+    pod = dataclasses.replace(daemon_pod(), uid="pod-uid", containers_running=True)
+    run(reconciler.cache(state(pods=[pod]), NS, NAME))
+    history = reconciler._reports_seen["pod-uid"]
+    assert history.seen and all(len(d) == 16 for d in history.seen)
+    reconciler.forget_daemon_pod("pod-uid")
+    assert "pod-uid" not in reconciler._reports_seen

@@ -102,3 +102,14 @@ def test_max_unavailable_counts_nodes_as_the_daemonset_controller_does(
     value: int | str, nodes: int, budget: int
 ) -> None:
     assert rollout.unavailable_budget(value, nodes) == budget
+
+
+def test_a_node_waiting_for_room_counts_as_held_only_with_nothing_to_evict_for_long() -> None:
+    old = EnginePodView("engines", "old", "u-old", {}, "node-b", None, False, "1", "c", "engines")
+    held, since = rollout.room_held(["node-a", "node-b"], {"node-b": [old]}, {}, now=10.0)
+    assert (held, since) == ((), {"node-a": 10.0})  # node-b has an engine to evict
+    held, since = rollout.room_held(["node-a", "node-b"], {"node-b": [old]}, since,
+                                    now=10.0 + rollout.ROOM_HELD_SECONDS)
+    assert held == ("node-a",) and since == {"node-a": 10.0}
+    # A node no longer waiting is forgotten: its next wait starts over.
+    assert rollout.room_held(["node-b"], {}, since, now=500.0) == ((), {"node-b": 500.0})

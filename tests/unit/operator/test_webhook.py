@@ -195,3 +195,62 @@ def test_the_server_answers_over_tls_and_bounds_what_it_reads(tmp_path: Path) ->
     assert review["kind"] == "AdmissionReview" and review["response"]["allowed"]
     assert "patch" in review["response"]
     assert big == 413 and bad == 400
+
+
+def test_a_client_trickling_bodies_delays_only_itself(tmp_path: Path) -> None:
+    """Security review (issue 43): the webhook's port is open to every pod, and each
+    request used to take one of CONCURRENCY slots before its body was read, so four
+    connections sending a byte now and then refused every gated pod in the cluster. Here
+    a peer (127.0.0.2) holds 3 * CONCURRENCY connections, each promising a body it never
+    sends; the apiserver's peer (127.0.0.1) is answered meanwhile, and the trickling
+    connections get 408 after READ_SECONDS."""
+    ca = pki.issue(pki.CertSpec("webhook-unit-ca", is_ca=True), tmp_path, "ca")
+    serving = pki.issue(pki.CertSpec("127.0.0.1", server=True, ip_addresses=("127.0.0.1",)),
+                        tmp_path, "serving", ca=ca)
+    (port,) = free_ports(1)
+    config = webhook.WebhookConfig(port, str(serving.cert), str(serving.key), "127.0.0.1")
+    context = ssl.create_default_context(cafile=str(ca.cert))
+
+    async def trickle() -> bytes:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname="127.0.0.1",
+            local_addr=("127.0.0.2", 0))
+        writer.write(b"POST /inject HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 30)
+        writer.close()
+        return status
+
+    async def scenario() -> tuple[list[bytes], float, dict[str, Any], int]:
+        stop = asyncio.Event()
+        server = webhook.WebhookServer(config, Apiserver(V1))
+        task = asyncio.create_task(server.serve(stop))
+        url = f"https://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):
+                    try:
+                        async with session.get(f"{url}/healthz", ssl=context):
+                            break
+                    except aiohttp.ClientConnectorError:
+                        await asyncio.sleep(0.05)
+                held = [asyncio.create_task(trickle()) for _ in range(3 * webhook.CONCURRENCY)]
+                await asyncio.sleep(0.5)
+                started = asyncio.get_running_loop().time()
+                async with session.post(f"{url}/inject", json=request(pod({"app": "e"},
+                                        gated=True)), ssl=context) as reply:
+                    answered = await reply.json()
+                took = asyncio.get_running_loop().time() - started
+                statuses = await asyncio.gather(*held)
+            return statuses, took, answered, server._reads.peers()
+        finally:
+            stop.set()
+            task.cancel()
+
+    statuses, took, answered, peers = asyncio.run(scenario())
+    assert answered["response"]["allowed"] and "patch" in answered["response"]
+    # Answered before any held connection's read deadline could have freed a slot.
+    assert took < webhook.READ_SECONDS
+    assert statuses == [b"HTTP/1.1 408 Request Timeout\r\n"] * (3 * webhook.CONCURRENCY)
+    assert peers == 0
