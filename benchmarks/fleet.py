@@ -11,7 +11,10 @@ records when each engine gate and node label took its current value.
 token bound to the daemon pod (a TokenRequest like the kubelet's projected
 token), so the chart's report guard admits each write exactly as it would in a
 cluster. Only the response goes unparsed (`_preload_content=False`): a daemon
-parses it on its own node, here it would compete with the operator.
+parses it on its own node, here it would compete with the operator. A report may
+keep earlier generations (`Kept`: the status's `retained`, which the reporter
+encodes into the report's `retained` list), as a daemon that took them back from
+the engines on its node does.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kubernetes import client as k8s
 
 from tools.testenv.cluster import Cluster
 from weightcache.daemon.reporter import device_report, report_patch
-from weightcache.protocol import DaemonStatus
+from weightcache.protocol import DaemonStatus, RetainedStatus
 from weightcache.report import SPEC_HASH_ENV, rfc3339_now
 from weightcache_operator import names
 
@@ -127,6 +130,9 @@ class FleetView:
     labels: dict[str, tuple[bool, float]] = field(default_factory=dict)
     # Gate values the watch delivered (each a distinct (status, reason, message)).
     gate_changes: int = 0
+    # Engine pod -> how often the watch delivered its gate going from True to anything else
+    # (every closing, also one that opened again before the harness's next poll).
+    closings: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_engine(self, kind: str, pod: dict[str, Any], now: float) -> None:
@@ -141,6 +147,8 @@ class FleetView:
                 value = (cond.get("status", ""), cond.get("reason", ""), cond.get("message", ""))
                 if entry.gate is None or (entry.gate.status, entry.gate.reason,
                                           entry.gate.message) != value:
+                    if entry.gate is not None and entry.gate.status == "True" != value[0]:
+                        self.closings[name] = self.closings.get(name, 0) + 1
                     entry.gate = Gate(*value, since=now)
                     self.gate_changes += 1
 
@@ -274,6 +282,16 @@ def fingerprint(spec_hash: str, slot: int) -> str:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """An earlier generation a daemon keeps beside its own (daemon/generations.py: taken
+    back from the engines on its node that map it), as its status lists it."""
+
+    spec_hash: str
+    preloaded: int
+    expected: int
+
+
+@dataclass(frozen=True)
 class Report:
     """One daemon's status to report: what `DaemonStatus` the daemon would hold."""
 
@@ -283,6 +301,11 @@ class Report:
     spec_hash: str
     preloaded: int
     expected: int
+    # Earlier generations kept on this GPU: each one's fingerprint is the one its own
+    # daemon reported for this slot (the same layout, taken back).
+    retained: tuple[Kept, ...] = ()
+    # DaemonStatus.phase while loading (e.g. report.PHASE_LOADING); None as older daemons.
+    phase: str | None = None
 
     def status(self) -> DaemonStatus:
         ready = self.state == "ready"
@@ -294,7 +317,11 @@ class Report:
             fingerprint=fingerprint(self.spec_hash, self.slot) if ready else None,
             load_seconds=42.0 if ready else None, load_source="disk" if ready else None,
             readopted=False, socket=f"/run/wc/gpu-{self.slot}.sock", clients_served=0,
-            error=None,
+            error=None, phase=self.phase,
+            retained=[RetainedStatus(spec_hash=k.spec_hash,
+                                     fingerprint=fingerprint(k.spec_hash, self.slot),
+                                     plan=None, bytes=k.preloaded, expected_bytes=k.expected)
+                      for k in self.retained],
         )
 
 

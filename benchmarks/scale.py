@@ -36,9 +36,20 @@ and label:
   evicted engine again bound to the new generation, as its Deployment would.
   `NodeByNodeWatch` counts, poll by poll, the nodes in flight (must stay
   within `maxUnavailable`) and the daemons replaced while an old engine still
-  ran there (must be 0).
+  ran there (must be 0);
+- surge: every engine pod bound to the current generation (bound here if the
+  waves before left it otherwise), then another revision under
+  `rollout.strategy: Surge`; the DaemonSet controller replaces each node's
+  daemon pod, `maxUnavailable` nodes at a time, and the harness writes each new
+  pod's reports as the daemon does under Surge: Loading of the new generation,
+  then Ready, each keeping the old one (`retained`: the engines' weights, taken
+  back). No gate may close: the old daemon pod holds the weights, then (the
+  operator's carried verdict, up to its `--carry-seconds`) the engines alone,
+  then the new pod keeping them. `SurgeWatch` times each node's hand-over;
+  every closing the engine watch delivered is counted as well (`gate_closings`:
+  a gate that closed and opened between two polls).
 
-In the last three, every poll checks each bound gate against what its node
+In the last four, every poll checks each bound gate against what its node
 holds (`BindingWatch`): gates closed while their weights were held, gates
 opened where they were not (both must be 0), and how long gates stayed open
 after their weights left.
@@ -71,7 +82,16 @@ from typing import Any
 import yaml
 
 from benchmarks import apimetrics
-from benchmarks.fleet import DaemonPod, Daemons, FleetView, FleetWatch, Gate, RawApi, Report
+from benchmarks.fleet import (
+    DaemonPod,
+    Daemons,
+    FleetView,
+    FleetWatch,
+    Gate,
+    Kept,
+    RawApi,
+    Report,
+)
 from tests.k8s.operator_flow import (
     DAEMON_SA,
     OperatorProcess,
@@ -82,6 +102,7 @@ from tests.k8s.operator_flow import (
 )
 from tools.testenv import assets, kubeconfig
 from tools.testenv.cluster import Cluster, interrupt_on_termination
+from weightcache.report import PHASE_LOADING
 from weightcache_operator import gate, names, rbac, rollout
 from weightcache_operator.spec import parse_spec, spec_hash
 
@@ -125,8 +146,8 @@ class Options:
     operator_src: Path | None = None
     # Stop after the first wave that does not converge (later ones would measure the backlog).
     stop_on_timeout: bool = True
-    # Waves left out (of degrade, spec, bind, model, rollback, nodebynode; the model waves
-    # need bind).
+    # Waves left out (of degrade, spec, bind, model, rollback, nodebynode, surge; model and
+    # rollback need bind; surge binds the engine pods itself where they are not bound).
     skip_waves: tuple[str, ...] = ()
     # Pods that are none of weightcache's business, made before the operator starts (issue
     # 43: its memory must grow with our pods only).
@@ -291,6 +312,66 @@ class NodeByNodeWatch:
                 "examples": sorted(self.replaced_under_old_engine)[:5]}
 
 
+@dataclass
+class SurgeWatch:
+    """A Surge rollout under bound engines, poll by poll, per node: its old daemon pod
+    (holding the generation the engines run), the hand-over (that pod gone or terminating,
+    its successor not reporting yet: the engines still map the weights and the operator
+    carries the old pod's verdict, for at most `carry_seconds`), then the new daemon pod
+    keeping the old generation (`retained`) while it loads and once it is Ready.
+
+    `poll` says per node whether the node holds the engines' weights: through the
+    hand-over only within the carry, the operator's bound (a gate it closes after that is
+    no fault of the gate's, and shows here as a hand-over past the carry).
+    """
+
+    carry_seconds: float = gate.CARRY_SECONDS
+    left: dict[str, float] = field(default_factory=dict)  # node -> its old pod first seen gone
+    handover: dict[str, float] = field(default_factory=dict)  # node -> seconds until kept
+    ready: set[str] = field(default_factory=set)
+    max_handing_over: int = 0
+
+    def poll(self, now: float, nodes: Mapping[str, tuple[bool, bool, bool]]) -> dict[str, bool]:
+        """`nodes`: per node, (old daemon pod runs, holding the generation; new daemon pod
+        reported keeping it; new daemon pod reported Ready). Returns per node whether it
+        holds the generation's weights."""
+        held: dict[str, bool] = {}
+        handing_over = 0
+        for node, (old, kept, ready) in nodes.items():
+            if old or kept:
+                held[node] = True
+            else:
+                since = self.left.setdefault(node, now)
+                held[node] = now - since < self.carry_seconds
+                handing_over += 1
+            if kept and node not in self.handover:
+                self.handover[node] = round(now - self.left.get(node, now), 3)
+            if ready:
+                self.ready.add(node)
+        self.max_handing_over = max(self.max_handing_over, handing_over)
+        return held
+
+    def figures(self, now: float, budget: int) -> dict[str, Any]:
+        late = [n for n, s in self.left.items()
+                if self.handover.get(n, now - s) >= self.carry_seconds]
+        return {"nodes_rolled": len(self.ready),
+                "handover_s": percentiles(self.handover.values()),
+                "handovers_past_carry": len(late), "carry_seconds": self.carry_seconds,
+                "max_nodes_handing_over": self.max_handing_over,
+                "max_unavailable_nodes": budget, "examples_past_carry": sorted(late)[:5]}
+
+
+def closings_since(before: Mapping[str, int], now: Mapping[str, int],
+                   names_: Iterable[str]) -> dict[str, int]:
+    """Closings the engine watch delivered since `before`, per pod of `names_` that had any."""
+    out = {}
+    for name in names_:
+        count = now.get(name, 0) - before.get(name, 0)
+        if count > 0:
+            out[name] = count
+    return out
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -340,6 +421,13 @@ class FleetRun:
         self.revision = self.before_model = "r1"  # spec.model.revision now, and before "model"
         self.reported: dict[str, str] = {}  # node -> the daemon pod whose reports stand
         self.ready_uids: set[str] = set()  # daemon pods whose every GPU was reported Ready
+        # Daemon pod uid -> the earlier generation it was reported keeping (surge).
+        self.retaining: dict[str, str] = {}
+        # Node -> its engine pod now, and the generation it is bound to (None: unbound).
+        self.engine_names: dict[str, str] = {}
+        self.bound_to: dict[str, str | None] = {}
+        # Engine pods' closings (FleetView.closings) when the surge wave began.
+        self.closings_from: dict[str, int] | None = None
         self._changes_lock = threading.Lock()  # reports counted from several writers
         # The generation the engine pods are bound to, and the watch of their gates.
         self.binding: tuple[str, BindingWatch] | None = None
@@ -394,6 +482,8 @@ class FleetRun:
             kubeconfig.render(cluster.server, cluster.ca.read_bytes(),
                               kubeconfig.token_user(token)))
         say(f"creating {o.nodes} engine pods")
+        self.engine_names = {n: f"engine-{n}" for n in self.nodes}
+        self.bound_to = dict.fromkeys(self.nodes)
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda n: self.api.request(
                 "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", engine_pod(n)), self.nodes))
@@ -544,6 +634,14 @@ class FleetRun:
             self.observe_bindings()
             record["bound_engines"] = self.binding[1].figures()
             self.binding = (self.binding[0], BindingWatch())  # the next wave counts anew
+        if self.closings_from is not None:
+            with self.view.lock:
+                now = dict(self.view.closings)
+            closed_ = closings_since(self.closings_from, now, self.engine_names.values())
+            record["gate_closings"] = {"count": sum(closed_.values()),
+                                       "engines": len(closed_),
+                                       "examples": dict(sorted(closed_.items())[:5])}
+            self.closings_from = None
         say(json.dumps({k: record[k] for k in ("wave", "converged", "total_s", "gate_latency_s")}
                        | {"writes": record["operator"]["writes"],
                           "cpu_s": record["operator"]["cpu_s"]}))
@@ -593,6 +691,7 @@ class FleetRun:
                 "writes": writes,
                 "writes_per_change": round(writes / change_count, 3) if change_count else None,
                 "status_writes": op.get(f"patch {names.PLURAL}/status", 0),
+                "writes_per_node": round(writes / len(self.nodes), 2),
                 "cpu_s": round(after.cpu["operator"] - before.cpu["operator"], 2),
                 "peak_rss_mib": round(self.rss.take() / 2**20, 1),
             },
@@ -645,6 +744,10 @@ class FleetRun:
              lambda: self.o.nodes),
             # Another model, node by node: every engine evicted, made again for the new one.
             ("nodebynode", self.act_node_by_node, lambda n: opened(self.reported[n]),
+             lambda: self.o.nodes),
+            # Another model by Surge: each bound gate open throughout, on the node's new
+            # daemon pod keeping the engines' generation beside the new one.
+            ("surge", self.act_surge, lambda n: opened(self.reported[n]),
              lambda: self.o.nodes),
         ]
         waves = [self.wave_start()]
@@ -762,6 +865,7 @@ class FleetRun:
         with ThreadPoolExecutor(self.o.writers) as pool:
             list(pool.map(bind, self.nodes))
         changes.other = len(self.nodes)
+        self.bound_to = dict.fromkeys(self.nodes, self.spec_hash)
         self.binding = (self.spec_hash, BindingWatch())
         return changes
 
@@ -816,6 +920,7 @@ class FleetRun:
                             names.binding_key(NAMESPACE, CACHE): new}
                         self.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body)
                         recreated.add(node)
+                        self.engine_names[node], self.bound_to[node] = now_named, new
                     pod = running.get(node)
                     fresh = pod is not None and pod.spec_hash == new
                     if fresh and (node not in done or done[node].uid != pod.uid):
@@ -844,18 +949,30 @@ class FleetRun:
 
     def _load(self, pod: DaemonPod, changes: Changes) -> None:
         """A new daemon pod loads: each GPU reports Loading, then Ready."""
+        self._reports(pod, "loading", changes)
+        self._reports(pod, "ready", changes)
+
+    def _reports(self, pod: DaemonPod, state: str, changes: Changes,
+                 kept: tuple[Kept, ...] = ()) -> None:
+        """Each GPU of a new daemon pod reports `state` (loading: nothing held yet; ready:
+        the shard); with `kept`, each report keeps those generations beside the new one
+        (as a daemon under Surge that took them back from the engines on its node)."""
         assert self.daemons is not None
-        for state, held in (("loading", 0), ("ready", SHARD_BYTES)):
-            for slot in range(self.o.gpus):
-                if state == "ready" and slot == self.o.gpus - 1:
-                    # Held from the last report on: the operator cannot open before it
-                    # lands, and the watch may show the gate before this write returns.
-                    self.ready_uids.add(pod.uid)
-                when = self.daemons.write(
-                    Report(pod, slot, state, pod.spec_hash, held, SHARD_BYTES))
-                with self._changes_lock:
-                    changes.reports += 1
-                    changes.note(pod.node or "", when)
+        if kept:
+            # Kept from its first report on (the engines' weights, taken back).
+            self.retaining[pod.uid] = kept[0].spec_hash
+        held = SHARD_BYTES if state == "ready" else 0
+        phase = PHASE_LOADING if kept and state == "loading" else None
+        for slot in range(self.o.gpus):
+            if state == "ready" and slot == self.o.gpus - 1:
+                # Held from the last report on: the operator cannot open before it
+                # lands, and the watch may show the gate before this write returns.
+                self.ready_uids.add(pod.uid)
+            when = self.daemons.write(
+                Report(pod, slot, state, pod.spec_hash, held, SHARD_BYTES, kept, phase))
+            with self._changes_lock:
+                changes.reports += 1
+                changes.note(pod.node or "", when)
 
     def observe_bindings(self) -> None:
         """One poll of the bound engine pods' gates against what their nodes hold."""
@@ -867,9 +984,118 @@ class FleetRun:
         with self.view.lock:
             gates = {e.node: e.gate for e in self.view.engines.values()}
         for node in self.nodes:
-            pod = running.get(node)
-            held = pod is not None and pod.spec_hash == bound and pod.uid in self.ready_uids
-            watch.observe(now, node, held, gates.get(node))
+            watch.observe(now, node, self.holds(bound, running.get(node)), gates.get(node))
+
+    def holds(self, bound: str, pod: DaemonPod | None) -> bool:
+        """Whether a node's running daemon pod holds generation `bound`: its own, reported
+        Ready, or kept beside its own (reported in `retained`)."""
+        return pod is not None and (
+            (pod.spec_hash == bound and pod.uid in self.ready_uids)
+            or self.retaining.get(pod.uid) == bound)
+
+    def act_surge(self) -> Changes:
+        """Every engine pod bound to the current generation, then another revision under
+        `rollout.strategy: Surge`: the DaemonSet controller replaces each node's daemon
+        pod; each new one reports Loading, then Ready, keeping the old generation."""
+        assert self.daemons is not None and self.watch is not None
+        old, revision = self.spec_hash, "r5"
+        new = spec_hash(parse_spec(weightcache(self.o.gpus, revision,
+                                               self.o.max_unavailable)["spec"]))
+        budget = rollout.unavailable_budget(self.o.max_unavailable, len(self.nodes))
+        changes = Changes(started=time.monotonic())
+        changes.other = self._bind_engines(old)
+        kept = (Kept(old, SHARD_BYTES, SHARD_BYTES),)  # what the engines map, taken back
+        gates_watch, surge = BindingWatch(grace=0.0), SurgeWatch()
+        self.binding = (old, gates_watch)
+        with self.view.lock:
+            self.closings_from = dict(self.view.closings)
+        self.api.request(
+            "PATCH", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{NAMESPACE}/"
+            f"{names.PLURAL}/{CACHE}",
+            {"spec": {"model": {"revision": revision},
+                      "rollout": {"strategy": "Surge",
+                                  "maxUnavailable": self.o.max_unavailable}}},
+            content_type="application/merge-patch+json")
+        changes.other += 1
+        self.revision = revision
+        done: dict[str, DaemonPod] = {}
+        # Each new pod's Loading reports go first, as each daemon writes its own at once
+        # (kwok marks a daemon pod Ready at once, so the DaemonSet controller does not wait
+        # for the harness's writes); its Ready reports wait for free writers.
+        loading: list[tuple[DaemonPod, Any]] = []  # Loading being reported
+        loaded: list[DaemonPod] = []  # Loading reported, Ready not submitted yet
+        ready: list[Any] = []
+        deadline = changes.started + self.o.wave_timeout
+        pool = ThreadPoolExecutor(self.o.writers, thread_name_prefix="surge")
+        try:
+            while time.monotonic() < deadline and not (
+                    len(done) == len(self.nodes) and not loading and not loaded
+                    and all(f.done() for f in ready)):
+                self.watch.check()
+                now = time.monotonic()
+                running = self.view.running_daemons()
+                with self.view.lock:
+                    gates = {e.name: e.gate for e in self.view.engines.values()}
+                seen: dict[str, tuple[bool, bool, bool]] = {}
+                for node in self.nodes:
+                    pod = running.get(node)
+                    fresh = pod is not None and pod.spec_hash == new
+                    if pod is not None and fresh and (
+                            node not in done or done[node].uid != pod.uid):
+                        done[node] = pod
+                        loading.append(
+                            (pod, pool.submit(self._reports, pod, "loading", changes, kept)))
+                    seen[node] = (
+                        pod is not None and not fresh and self.holds(old, pod),
+                        pod is not None and fresh and self.retaining.get(pod.uid) == old,
+                        pod is not None and fresh and pod.uid in self.ready_uids)
+                for node, held in surge.poll(now, seen).items():
+                    gates_watch.observe(now, node, held, gates.get(self.engine_names[node]))
+                for pod, future in [x for x in loading if x[1].done()]:
+                    future.result()  # a failed write ends the wave
+                    loading.remove((pod, future))
+                    loaded.append(pod)
+                busy = len(loading) + sum(not f.done() for f in ready)
+                while loaded and busy < self.o.writers:
+                    ready.append(pool.submit(self._reports, loaded.pop(0), "ready", changes,
+                                             kept))
+                    busy += 1
+                time.sleep(POLL)
+            for f in [f for _, f in loading] + ready:
+                f.result()
+        finally:
+            pool.shutdown(wait=True)
+        self.spec_hash = new
+        changes.extra["rollout_s"] = round(time.monotonic() - changes.started, 1)
+        changes.extra["surge"] = surge.figures(time.monotonic(), budget)
+        self.reported = {n: done[n].name if n in done else "<not rolled>" for n in self.nodes}
+        return changes
+
+    def _bind_engines(self, generation: str) -> int:
+        """Bind every engine pod not bound to `generation` to it (the waves before may have
+        left them unbound, or bound to another); waits, bounded, for their gates to open.
+        The number of pods bound."""
+        stray = [n for n in self.nodes if self.bound_to.get(n) != generation]
+        body = {"metadata": {"annotations": {names.binding_key(NAMESPACE, CACHE): generation}}}
+
+        def bind(node: str) -> None:
+            self.api.request(
+                "PATCH", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.engine_names[node]}",
+                body, content_type="application/merge-patch+json")
+            self.bound_to[node] = generation
+
+        with ThreadPoolExecutor(self.o.writers) as pool:
+            list(pool.map(bind, stray))
+        if stray:
+            deadline = time.monotonic() + self.o.wave_timeout
+            while time.monotonic() < deadline:
+                with self.view.lock:
+                    gates = {e.name: e.gate for e in self.view.engines.values()}
+                if all((g := gates.get(self.engine_names[n])) is not None and g.status == "True"
+                       for n in self.nodes):
+                    break
+                time.sleep(POLL)
+        return len(stray)
 
     def roll_to(self, revision: str) -> Changes:
         """The cache's model revision set to `revision`; each daemon pod the DaemonSet's

@@ -76,17 +76,56 @@ def binding_rows(results: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+SURGE_COLUMNS = ("arm", "nodes", "wave", "converged", "rollout s", "gate closings",
+                 "closed while held", "opened without weights",
+                 "hand-over p50 / p99 / max s", "hand-overs past the carry",
+                 "most nodes handing over (maxUnavailable)", "operator writes per node",
+                 "RSS")
+
+
+def surge_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per Surge rollout under bound engines (scale.SurgeWatch): every figure that
+    must be 0 (closings the engine watch delivered, gates wrong at a poll) and the
+    hand-overs the operator's carried verdict covered."""
+    out = []
+    for arm, sizes in results.get("arms", {}).items():
+        for nodes, run in sizes.items():
+            for w in run["waves"]:
+                surge = w.get("surge")
+                if surge is None:
+                    continue
+                bound = w.get("bound_engines") or {}
+                hand = surge["handover_s"] or {}
+                op = w["operator"]
+                out.append([arm, nodes, w["wave"], "yes" if w["converged"] else "no",
+                            _cell(w.get("rollout_s")),
+                            _cell((w.get("gate_closings") or {}).get("count")),
+                            _cell(bound.get("gates_closed_while_weights_held")),
+                            _cell(bound.get("gates_opened_without_weights")),
+                            " / ".join(_cell(hand.get(k)) for k in ("p50", "p99", "max")),
+                            _cell(surge["handovers_past_carry"]),
+                            f"{surge['max_nodes_handing_over']} "
+                            f"({surge['max_unavailable_nodes']})",
+                            _cell(round(op["writes"] / int(nodes), 2)),
+                            _cell(op["peak_rss_mib"])])
+    return out
+
+
 def _markdown(columns: tuple[str, ...], body: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return lines + ["| " + " | ".join(r) + " |" for r in body]
 
 
 def table(results: dict[str, Any]) -> str:
-    """The waves' table, then (where a run bound its engine pods) the bindings' table."""
+    """The waves' table, then (where a run bound its engine pods) the bindings' table, then
+    (where it rolled a model by Surge) the surge table."""
     lines = _markdown(COLUMNS, rows(results))
     bound = binding_rows(results)
     if bound:
         lines += ["", *_markdown(BINDING_COLUMNS, bound)]
+    surge = surge_rows(results)
+    if surge:
+        lines += ["", *_markdown(SURGE_COLUMNS, surge)]
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ def waves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
 
 
 WAVES = ["start", "install", "loading", "ready", "degrade", "spec", "bind", "model", "rollback",
-         "nodebynode"]
+         "nodebynode", "surge"]
 
 
 def test_every_wave_ran(waves: dict[str, dict[str, Any]]) -> None:
@@ -71,7 +71,7 @@ def test_a_degraded_node_is_named_in_the_status(waves: dict[str, dict[str, Any]]
     assert record["status_ready"] == f"{NODES - 3}/{NODES}"
 
 
-@pytest.mark.parametrize("wave", ["bind", "model", "rollback", "nodebynode"])
+@pytest.mark.parametrize("wave", ["bind", "model", "rollback", "nodebynode", "surge"])
 def test_no_bound_gate_is_wrong_at_any_moment(waves: dict[str, dict[str, Any]], wave: str) -> None:
     """Issue 36: a bound engine pod's gate never closes while its node holds its weights,
     and never opens where it does not (the harness checks every gate at every poll)."""
@@ -89,3 +89,17 @@ def test_node_by_node_replaces_no_daemon_under_an_old_engine_within_max_unavaila
     assert 1 <= figures["max_nodes_in_flight"] <= figures["max_unavailable_nodes"], figures
     assert figures["daemons_replaced_under_old_engines"] == 0, figures["examples"]
     assert waves["nodebynode"]["operator"]["requests"].get("create pods/eviction") == 2 * NODES
+
+
+def test_a_surge_rollout_closes_no_bound_gate(waves: dict[str, dict[str, Any]]) -> None:
+    """Issue 42 items 2 and 5: under `rollout.strategy: Surge` each node's daemon pod is
+    replaced by one keeping the engines' generation (`retained`); no bound gate closes at
+    any moment (not even between two polls, as the engine watch delivered them), every
+    hand-over stayed within the operator's carry, and nothing was evicted."""
+    record = waves["surge"]
+    assert record["gate_closings"]["count"] == 0, record["gate_closings"]["examples"]
+    figures = record["surge"]
+    assert figures["nodes_rolled"] == NODES, figures
+    assert figures["handovers_past_carry"] == 0, figures["examples_past_carry"]
+    assert figures["handover_s"]["n"] == NODES
+    assert "create pods/eviction" not in record["operator"]["requests"]

@@ -116,3 +116,41 @@ def test_node_by_node_counts_nodes_in_flight_and_daemons_under_old_engines() -> 
                                 "daemons_replaced_under_old_engines": 1, "examples": ["b"]}
     watch.poll(4.0, {"a": (False, False, False), "b": (False, True, False)})
     assert watch.max_in_flight == 2
+
+
+def test_a_surge_hand_over_holds_the_weights_within_the_carry() -> None:
+    watch = scale.SurgeWatch(carry_seconds=120.0)
+    # a: old pod runs; b: old pod gone, successor silent; c: successor keeps them.
+    held = watch.poll(0.0, {"a": (True, False, False), "b": (False, False, False),
+                            "c": (False, True, False)})
+    assert held == {"a": True, "b": True, "c": True}
+    assert watch.handover == {"c": 0.0}  # gone and kept between two polls
+    assert watch.poll(2.5, {"b": (False, True, False)}) == {"b": True}
+    assert watch.handover == {"c": 0.0, "b": 2.5}
+    watch.poll(3.0, {"a": (False, False, False), "b": (False, True, True)})
+    assert watch.ready == {"b"} and watch.max_handing_over == 1
+    # Past the carry the operator may close: not held any more, and counted.
+    assert watch.poll(123.0, {"a": (False, False, False)}) == {"a": False}
+    figures = watch.figures(130.0, budget=1)
+    assert figures["handovers_past_carry"] == 1 and figures["examples_past_carry"] == ["a"]
+    assert figures["handover_s"] == {"p50": 0.0, "p99": 2.5, "max": 2.5, "n": 2}
+    assert (figures["nodes_rolled"], figures["max_unavailable_nodes"]) == (1, 1)
+
+
+def test_a_surge_gate_closing_while_held_is_wrong_at_once() -> None:
+    """The surge wave's BindingWatch has no grace: the weights never leave, so no watch
+    ordering excuses a closing."""
+    watch = scale.BindingWatch(grace=0.0)
+    watch.observe(1.0, "n1", True, Gate("True", gate.WEIGHTS_RESIDENT, "daemon pod old", 0.0))
+    watch.observe(2.0, "n1", True, Gate("True", gate.WEIGHTS_RESIDENT, "replaced (gone)", 1.5))
+    assert watch.figures()["gates_closed_while_weights_held"] == 0
+    watch.observe(3.0, "n1", True, Gate("False", gate.DAEMON_NOT_READY, "1 of 8", 2.9))
+    assert watch.figures()["gates_closed_while_weights_held"] == 1
+
+
+def test_closings_since_a_mark_count_only_the_named_pods() -> None:
+    before = {"engine-a": 1, "engine-b": 2}
+    now = {"engine-a": 1, "engine-b": 4, "engine-c": 1, "elsewhere": 3}
+    assert scale.closings_since(before, now, ["engine-a", "engine-b", "engine-c"]) == {
+        "engine-b": 2, "engine-c": 1}
+    assert scale.closings_since(now, now, ["engine-b"]) == {}

@@ -64,3 +64,24 @@ def test_waves_that_watched_bound_engines_get_a_table_of_their_own() -> None:
         "| bound | 1000 | model | 213.2 | 0 | 0 | 0.0 / 1.2 / 2.5 | 0.04 | 100.0 |")
     plain = scale_report.merge({}, "after", run({"10": [wave("ready")]}, "a"))
     assert "\n\n" not in scale_report.table(plain)
+
+
+def test_a_surge_wave_gets_a_table_of_its_own() -> None:
+    surge = wave("surge") | {
+        "rollout_s": 301.5,
+        "bound_engines": {"gates_closed_while_weights_held": 0,
+                          "gates_opened_without_weights": 0,
+                          "open_after_weights_left_s": None, "wrong_examples": {}},
+        "gate_closings": {"count": 0, "engines": 0, "examples": {}},
+        "surge": {"nodes_rolled": 1000, "carry_seconds": 120.0,
+                  "handover_s": {"p50": 0.5, "p99": 2.0, "max": 3.25, "n": 1000},
+                  "handovers_past_carry": 0, "max_nodes_handing_over": 97,
+                  "max_unavailable_nodes": 100, "examples_past_carry": []}}
+    results = scale_report.merge({}, "surge", run({"1000": [wave("ready"), surge]}, "a"))
+    waves_, bound, surged = scale_report.table(results).split("\n\n")
+    assert len(bound.splitlines()) == 3  # the surge wave watched bound engines too
+    assert surged.splitlines()[2] == (
+        "| surge | 1000 | surge | yes | 301.5 | 0 | 0 | 0 | 0.5 / 2.0 / 3.25 | 0 | 97 (100) "
+        "| 0.04 | 100.0 |")
+    assert all(line.count("|") == len(scale_report.SURGE_COLUMNS) + 1
+               for line in surged.splitlines())
