@@ -65,6 +65,9 @@ class Verdict:
     reports: Mapping[str, DeviceReport] | None = None
     # A verdict that holds only until then (seconds since the epoch): a debounced flap.
     until: float | None = None
+    # A carried verdict (`carried`): the node's own failed one, which stands for a gate that
+    # is not open. A carry keeps open gates open; it never opens one.
+    instead: Verdict | None = None
 
 
 def expected_bytes(spec: WeightCacheSpec, reported: int) -> int:
@@ -335,7 +338,7 @@ def carried(
         f"daemon pod {last.pod_name} replaced ({how}); the engines still map the weights it "
         f"served, so its verdict holds until its successor says whether it took them back "
         f"(at most {carry_seconds:g} s): {last.message}",
-        last.pod_name, last.reports, until=since + carry_seconds,
+        last.pod_name, last.reports, until=since + carry_seconds, instead=failed,
     )
 
 
@@ -378,6 +381,14 @@ def bound_generation(binding: str | None, current: str) -> str:
 
 class InvalidBinding(ValueError):
     """An engine pod's binding annotation names no generation."""
+
+
+def for_gate(verdicts: Mapping[str, Verdict], is_open: bool) -> dict[str, Verdict]:
+    """The verdicts that decide one engine pod's gate: a carried verdict only keeps an open
+    gate open; for a gate not open (closed, or never judged) the node's own verdict stands,
+    so a carry re-recorded from a lagging view cannot open a gate it had closed."""
+    return {cache: v if is_open or v.instead is None else v.instead
+            for cache, v in verdicts.items()}
 
 
 def gate_condition(node: str | None, verdicts: Mapping[str, Verdict]) -> Condition:

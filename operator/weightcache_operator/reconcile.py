@@ -459,18 +459,20 @@ class Reconciler:
             if pod is None or pod.terminating:
                 return
             metrics.RECONCILES.labels("engine_pod").inc()
+            current = self.gates.current(pod.uid, pod.gate, pod.resource_version)
             try:
                 decision = (
                     views.Condition("False", podlimits.OVER_LIMITS, pod.over_limits)
                     if pod.over_limits else
-                    gate.gate_condition(pod.node, self._engine_verdicts(state, pod, exclude)))
+                    gate.gate_condition(pod.node, gate.for_gate(
+                        self._engine_verdicts(state, pod, exclude),
+                        current is not None and current.status == "True")))
             except Exception as exc:  # fail closed: an undecidable gate is a closed gate
                 log.exception("deciding the gate of pod %s/%s failed", namespace, name)
                 metrics.ERRORS.labels("engine_pod").inc()
                 decision = views.Condition(
                     "False", EVALUATION_FAILED, f"{type(exc).__name__}: {exc}"
                 )
-            current = self.gates.current(pod.uid, pod.gate, pod.resource_version)
             if current == decision:
                 return
             if (not now and current is not None

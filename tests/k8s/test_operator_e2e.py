@@ -29,6 +29,7 @@ from tests.k8s.operator_flow import (
     minilm_dir,
     minilm_tensor_bytes,
     reports_of,
+    settled,
     template_spec_hash,
     weightcache,
 )
@@ -177,7 +178,7 @@ def test_operator_killed_mid_rollout_converges(scene: Scene, api: Api,
                lambda: operator.reconciles("engine_pod") >= 1)
     after = api.core.read_namespaced_pod(v2.metadata.name, ns)
     assert after.metadata.resource_version == before.metadata.resource_version
-    assert api.status(ns, name) == status
+    assert settled(api.status(ns, name)) == settled(status)
     assert len(api.core.list_namespaced_event(ns).items) == events
 
 

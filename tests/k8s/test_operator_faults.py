@@ -28,6 +28,7 @@ from tests.k8s.operator_flow import (
     gate_of,
     install_daemon_account,
     operator_rules,
+    settled,
     template_spec_hash,
     weightcache,
 )
@@ -338,7 +339,7 @@ def test_operator_killed_during_reconcile_converges(
     )
     (again,) = owned_daemonsets(api, ns, name)
     assert (again.metadata.uid, again.metadata.generation) == (ds.metadata.uid, 1)
-    assert api.status(ns, name) == status
+    assert settled(api.status(ns, name)) == settled(status)
     assert len(api.events(ns, name, "NodeReady")) == len(pool.nodes)
     operator.check_running()
 

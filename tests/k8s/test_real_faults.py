@@ -669,7 +669,10 @@ def daemon_holding(stack: Stack, generation: str, kept: set[str],
     pod = stack.daemon_pod()
     if pod is None or not replaced(pod) or not is_ready(pod):
         return None
-    (report,) = reports_of(pod).values()
+    reports = list(reports_of(pod).values())
+    if len(reports) != 1:  # Ready a moment before its first report lands
+        return None
+    (report,) = reports
     if (report.state, report.spec_hash) != ("Ready", generation):
         return None
     return pod if {r.spec_hash for r in report.retained} == kept else None

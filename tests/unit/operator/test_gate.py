@@ -420,3 +420,18 @@ def test_a_model_change_carries_the_old_generation_until_the_successor_keeps_it(
                          (successor(load_phase=PHASE_WAITING_FOR_ROOM), False)):
         failed = gate.evaluate_node(gpu_spec, gpu_hash, [pod], bound=True)
         assert (gate.carried(failed, gpu_hash, [pod], good, 5.0) is not None) is carried
+
+
+def test_a_carried_verdict_keeps_an_open_gate_open_and_opens_none() -> None:
+    """The kwok fleet's model wave: a LastGood re-recorded from a lagging view was carried
+    again after the successor had closed the gate, opening it with the replaced pod's
+    verdict. A carry only keeps open what is open."""
+    failed = gate.Verdict(False, gate.DAEMON_NOT_READY, "the successor has not reported")
+    carried = gate.Verdict(True, gate.WEIGHTS_RESIDENT, "daemon pod old replaced", "old",
+                           instead=failed)
+    plain = gate.Verdict(True, gate.WEIGHTS_RESIDENT, "held", "new")
+    verdicts = {"a": carried, "b": plain}
+    assert gate.for_gate(verdicts, is_open=True) == verdicts
+    assert gate.for_gate(verdicts, is_open=False) == {"a": failed, "b": plain}
+    closed = gate.gate_condition("node", gate.for_gate(verdicts, is_open=False))
+    assert (closed.status, closed.reason) == ("False", gate.DAEMON_NOT_READY)

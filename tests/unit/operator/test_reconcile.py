@@ -1105,8 +1105,9 @@ def test_an_operator_remembers_what_holds_before_its_first_apply_replaces_daemon
 ) -> None:
     """An operator upgrade renders a new DaemonSet template, which replaces every daemon
     pod: the new operator judges the nodes before it applies, so the replacement it causes
-    is carried too."""
-    reconciler, st, old = replaced_scene(kube)
+    is carried too (the gate the old operator opened stays open)."""
+    reconciler, _, old = replaced_scene(kube)
+    st = state(pods=[old], engines=[engine(Condition("True", gate.WEIGHTS_RESIDENT, "held"))])
     run(reconciler.apply_daemonset(st, cache()))
     assert kube.of("daemonset") and kube.of("gate") == []  # nothing written but the apply
     st.daemon_pods_index[(NS, NAME, NODE)] = [dataclasses.replace(old, terminating=True)]  # type: ignore[index]
