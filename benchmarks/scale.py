@@ -260,7 +260,9 @@ class BindingWatch:
         self.held_since.pop(node, None)
         first = node not in self.unheld_since
         since = self.unheld_since.setdefault(node, now)
-        if g is not None and is_open and g.since > since:
+        if g is not None and is_open and not was_open and g.since > since:
+            # Opened since the weights left (a message changing on a gate that stayed open,
+            # such as a carried verdict's, is no opening).
             self.opened_while_unheld.setdefault(node, g.message[:160])
         elif g is not None and is_open:
             self.open_after_weights_left[node] = now - since  # still open: so far

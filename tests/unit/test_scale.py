@@ -154,3 +154,16 @@ def test_closings_since_a_mark_count_only_the_named_pods() -> None:
     assert scale.closings_since(before, now, ["engine-a", "engine-b", "engine-c"]) == {
         "engine-b": 2, "engine-c": 1}
     assert scale.closings_since(now, now, ["engine-b"]) == {}
+
+
+def test_an_open_gate_whose_message_changes_after_its_weights_left_is_timed_not_wrong() -> None:
+    """The operator carries a replaced daemon pod's verdict (gate.carried): the gate stays
+    open with a new message after the pod left. That is no opening; it is timed like any
+    gate still open after its weights left."""
+    watch = scale.BindingWatch(grace=5.0)
+    watch.observe(1.0, "n1", True, Gate("True", gate.WEIGHTS_RESIDENT, "held", 0.0))
+    watch.observe(2.0, "n1", False, Gate("True", gate.WEIGHTS_RESIDENT, "held", 0.0))
+    carried = Gate("True", gate.WEIGHTS_RESIDENT, "daemon pod wc-1 replaced (terminating)", 2.5)
+    watch.observe(3.0, "n1", False, carried)
+    assert watch.figures()["gates_opened_without_weights"] == 0
+    assert watch.open_after_weights_left == {"n1": 1.0}
