@@ -1030,9 +1030,8 @@ class FleetRun:
         deadline = changes.started + self.o.wave_timeout
         pool = ThreadPoolExecutor(self.o.writers, thread_name_prefix="surge")
         try:
-            while time.monotonic() < deadline and not (
-                    len(done) == len(self.nodes) and not loading and not loaded
-                    and all(f.done() for f in ready)):
+            def poll() -> None:
+                """One look at every node: new daemon pods start loading; gates checked."""
                 self.watch.check()
                 now = time.monotonic()
                 running = self.view.running_daemons()
@@ -1053,6 +1052,11 @@ class FleetRun:
                         pod is not None and fresh and pod.uid in self.ready_uids)
                 for node, held in surge.poll(now, seen).items():
                     gates_watch.observe(now, node, held, gates.get(self.engine_names[node]))
+
+            while time.monotonic() < deadline and not (
+                    len(done) == len(self.nodes) and not loading and not loaded
+                    and all(f.done() for f in ready)):
+                poll()
                 for pod, future in [x for x in loading if x[1].done()]:
                     future.result()  # a failed write ends the wave
                     loading.remove((pod, future))
@@ -1065,6 +1069,7 @@ class FleetRun:
                 time.sleep(POLL)
             for f in [f for _, f in loading] + ready:
                 f.result()
+            poll()  # the last Ready reports landed after the loop's last look
         finally:
             pool.shutdown(wait=True)
         self.spec_hash = new

@@ -746,81 +746,6 @@ def test_a_daemonset_rollout_a_model_change_a_rollback_and_a_daemon_kill_close_n
     assert {gate_of(p)[0] for p in stack.engine_pods()} == {"True"}
 
 
-def test_node_by_node_under_a_memory_limit_holds_at_a_budget_and_kills_nothing(
-    stack: Stack, traffic: Traffic,
-) -> None:
-    """Issue 42 item 3: NodeByNode under a daemon memory limit that cannot hold a second
-    generation beside the first; the two engine pods (one per Deployment) under one
-    PodDisruptionBudget of maxUnavailable 1. The model changes and the engines roll to
-    pods bound to it: the operator evicts one old engine, the budget refuses the second
-    (the new pods wait for weights the node cannot load until both are gone: on one node
-    such a budget can never let the last one go), which holds the rollout with a Warning
-    Event and the status reason EvictionBlocked. Relaxed, the rollout ends: the daemon is
-    replaced once no old engine is left and loads the new generation alone. No container
-    is OOM-killed and no request fails."""
-    stack.steady(ENGINES)
-    first = spec_hash_now(stack)
-    bound_rollout(stack, "nbn-1", first)  # off the weights the last test kept
-    pod = eventually("nothing kept any more", lambda: daemon_holding(
-        stack, first, set(), lambda p: True), bound=180)
-    (report,) = reports_of(pod).values()
-    assert report.memory_total_bytes and report.memory_free_bytes is not None
-    used = report.memory_total_bytes - report.memory_free_bytes
-    generation = report.preloaded_weights_bytes
-    # Room for what the daemon uses with one generation and some headroom, not a second.
-    limit = used + generation * 3 // 4
-    budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-              "metadata": {"name": "engines", "namespace": stack.namespace},
-              "spec": {"maxUnavailable": 1, "selector": {"matchLabels": stack.engine_labels}}}
-    stack.apply(budget)
-    stack.kubectl("patch", "wc", "-n", stack.namespace, CACHE, "--type", "merge", "-p",
-                  json.dumps({"spec": {"rollout": {"strategy": "NodeByNode"}, "sidecar": {
-                      "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
-                                    "limits": {"memory": str(limit)}}}}}))
-    stack.steady(ENGINES)
-    since = traffic.wait_for_requests(pods=len(ENGINES))
-    stack.kubectl("patch", "wc", "-n", stack.namespace, CACHE, "--type", "merge", "-p",
-                  json.dumps({"spec": {"model": {"revision": "v3"}}}))
-    third = spec_hash_now(stack)
-    binding = {names.binding_key(stack.namespace, CACHE): third}
-    stack.apply(*(stack.engine_deployment("nbn-3", gid(stack), name, annotations=binding)
-                  for name in ENGINES))
-
-    def progressing() -> tuple[str, str]:
-        status = stack.api.status(stack.namespace, CACHE)
-        c = next(c for c in status["conditions"] if c["type"] == "Progressing")
-        return c["reason"], c.get("message", "")
-
-    reason, message = eventually("the budget holding the rollout", lambda: (
-        progressing() if progressing()[0] == "EvictionBlocked" else None), bound=300)
-    assert "disruption budget" in message, message
-    events = stack.kubectl("get", "events", "-n", stack.namespace, "--field-selector",
-                           f"involvedObject.name={CACHE},reason=EvictionBlocked", "-o", "name")
-    assert events.strip(), "no EvictionBlocked event"
-    old_daemon = stack.daemon_pod()
-    assert old_daemon is not None and reports_of(old_daemon)["cpu"].spec_hash == first
-
-    budget["spec"]["maxUnavailable"] = 2
-    stack.apply(budget)
-    for name in ENGINES:
-        eventually(f"{name} rolled to the new generation", lambda n=name:
-                   stack.ready_engine("nbn-3", n), bound=300)
-    pod = eventually("the new daemon, alone", lambda: daemon_holding(
-        stack, third, set(), lambda p: p.metadata.uid != old_daemon.metadata.uid), bound=60)
-    until = traffic.wait_for_requests(pods=len(ENGINES))
-    counts = record("node by node under a memory limit, a budget of 1", traffic, since,
-                    until, Snapshot.take(stack), Snapshot.take(stack), limit_bytes=limit)
-    stack.kubectl("delete", "pdb", "-n", stack.namespace, "engines")
-    assert counts["failed"] == counts["wrong"] == 0, traffic.failures(since, until)
-    oom = [(p.metadata.name, s.name) for p in [pod, *stack.engine_pods()]
-           for s in p.status.container_statuses or []
-           if s.last_state and s.last_state.terminated
-           and s.last_state.terminated.reason == "OOMKilled"]
-    assert oom == [], oom
-    assert int(daemon_limit(pod)) == limit  # it ran under the limit
-    assert progressing()[0] != "EvictionBlocked"
-
-
 def gate_events(stack: Stack) -> list[str]:
     """The operator's Warning events on engine pods (a gate closing, and why), in order."""
     events = stack.api.core.list_namespaced_event(
@@ -832,8 +757,3 @@ def gate_events(stack: Stack) -> list[str]:
 
 GATE_REASONS = {"DaemonNotReady", "FingerprintMismatch", "NoDaemonOnNode", "BytesBelowExpected",
                 "ReportMalformed", "EvaluationFailed", "BindingInvalid"}
-
-
-def daemon_limit(pod: k8s.V1Pod) -> str:
-    (container,) = [c for c in pod.spec.containers if c.name == "daemon"]
-    return container.resources.limits["memory"]
