@@ -291,6 +291,15 @@ def _progressing_condition(
         more = f" (and {len(rollout.blocked) - 1} more)" if len(rollout.blocked) > 1 else ""
         return condition("Progressing", True, node_rollout.EVICTION_BLOCKED,
                          f"{by}: evicting {rollout.blocked[0]}{more}")
+    if rollout is not None and rollout.undone:
+        more = f" (and {len(rollout.undone) - 1} more)" if len(rollout.undone) > 1 else ""
+        return condition(
+            "Progressing", True, node_rollout.EVICTIONS_UNDONE,
+            f"{by}: evicted engine pods come back bound to the generation they ran: "
+            f"{rollout.undone[0]}{more}; their pod template carries the binding, so the node "
+            "keeps that generation until they go. Roll them to the new generation with a "
+            "strategy that replaces pods in place (Recreate, or maxSurge 0), or leave "
+            "their binding to the webhook (the label weightcache.dev/cache)")
     if rollout is not None and rollout.held:
         shown = ", ".join(rollout.held[:5]) + (", …" if len(rollout.held) > 5 else "")
         return condition(

@@ -39,6 +39,8 @@ LIMITS = Limits(labels=64, label_bytes=16 * 1024, bindings=16)
 # Longer values name nothing the operator compares them with (a spec hash is 64 hex
 # digits, a namespace at most 63 characters): kept cut to this, still naming nothing.
 MAX_VALUE_CHARS = 65
+# A controller's "Kind/name" as the index keeps it (a name is at most 253 characters).
+MAX_OWNER_CHARS = 320
 # A gate condition's message as the index keeps it; the operator's own stay far below.
 MAX_MESSAGE_CHARS = 4096
 

@@ -160,6 +160,10 @@ class Reconciler:
     _eviction_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     # Per cache uid (Auto): per node waiting for room with nothing to evict, since when.
     _room_waits: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per cache uid: per controller key evicted from, the pods there at its first eviction
+    # (rollout.recreated).
+    _evicted_from: dict[str, dict[rollout.ControllerKey, frozenset[str]]] = field(
+        default_factory=dict)
     _room_rechecks: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     # Coalesced writes: cache statuses, and gate messages (filled in __post_init__).
     _statuses: Coalescer = field(init=False)
@@ -696,6 +700,7 @@ class Reconciler:
         strategy = spec.rollout.strategy
         if strategy == "Surge":
             self._room_waits.pop(cache.uid, None)
+            self._evicted_from.pop(cache.uid, None)
             return None
         daemons = state.daemon_pods(cache)
         nodes: list[str | None] = [None]  # NodeByNode: every node's engine pods
@@ -706,6 +711,7 @@ class Reconciler:
                        and not p.ready and not p.terminating]
             if not daemons:
                 self._room_waits.pop(cache.uid, None)
+                self._evicted_from.pop(cache.uid, None)
                 return None
             nodes = sorted({p.node for p in daemons})
         retiring: dict[str, list[views.EnginePodView]] = {}
@@ -728,15 +734,34 @@ class Reconciler:
             plan = rollout.plan(current, spec.rollout.max_unavailable, daemons, retiring)
             why_evicted = (f"evicted so that the node's daemon loads {current[:12]} alone "
                            "(rollout.strategy NodeByNode)")
+        present = rollout.by_controller(retiring, runs)
+        undone, evicted_from = rollout.recreated(present, self._evicted_from.get(cache.uid, {}))
         blocked: list[str] = []
+        undone_by: dict[str, None] = {}
         for pod in plan.evict_engines:
             generation = runs[pod.uid]
-            why = await self._evict(
-                cache, pod.namespace, pod.name, pod.uid,
-                f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
-                f"{generation[:12]}: {why_evicted}")
+            what = (f"engine pod {pod.namespace}/{pod.name} on node {pod.node} runs generation "
+                    f"{generation[:12]}")
+            if pod.uid in undone:
+                undone_by[f"{pod.owner} on node {pod.node} re-creates its pods bound to "
+                          f"{generation[:12]}"] = None
+                self._announce_undone(cache, pod, f"{what}: not evicted: {pod.owner} made it "
+                                      "after the operator evicted one of its pods there "
+                                      "bound to the same generation (its pod template "
+                                      f"carries the binding); roll {pod.owner} to "
+                                      f"{current[:12]} with a strategy that replaces pods "
+                                      "in place (Recreate, or maxSurge 0)")
+                continue
+            why = await self._evict(cache, pod.namespace, pod.name, pod.uid,
+                                    f"{what}: {why_evicted}")
             if why:
                 blocked.append(f"{pod.namespace}/{pod.name}: {why}")
+            elif (key := rollout.controller_key(pod, generation)) is not None:
+                evicted_from.setdefault(key, present[key])
+        if evicted_from:
+            self._evicted_from[cache.uid] = evicted_from
+        else:
+            self._evicted_from.pop(cache.uid, None)
         for daemon in plan.evict_daemons:
             why = await self._evict(
                 cache, daemon.namespace, daemon.name, daemon.uid,
@@ -747,7 +772,17 @@ class Reconciler:
                 blocked.append(f"{daemon.namespace}/{daemon.name}: {why}")
         if blocked:
             self._retry_evictions(state, cache)
-        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked), strategy, held)
+        return rollout.Progress(plan.rolling, plan.waiting, tuple(blocked), strategy, held,
+                                tuple(undone_by))
+
+    def _announce_undone(self, cache: views.CacheView, pod: views.EnginePodView,
+                         message: str) -> None:
+        """A Warning Event on the cache, once per re-created pod."""
+        if self._refusals.get(pod.uid) != rollout.EVICTIONS_UNDONE:
+            self._refusals[pod.uid] = rollout.EVICTIONS_UNDONE
+            self.kube.post_event(_cache_ref(cache), "Warning", rollout.EVICTIONS_UNDONE,
+                                 message)
+            log.warning("%s", message)
 
     async def _evict(self, cache: views.CacheView, namespace: str, name: str, uid: str,
                      message: str) -> str | None:

@@ -31,6 +31,12 @@ deterministic, so a restarted operator continues where the last one stopped:
 Only engine pods the cache gates and that carry its binding to another
 generation are "retiring" (the caller decides that, reconcile.py): an unbound
 pod is judged by the current spec and never evicted.
+
+`recreated` (both strategies): a controller whose pod template carries the
+binding to the old generation (a selector-gated engine's) makes each evicted
+pod again, bound to that generation, on that node: while a Deployment's own
+rolling update keeps its old ReplicaSet, forever. Such pods are not evicted
+again; the status says which controller holds the node and what to change.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ EVICTION_BLOCKED = "EvictionBlocked"
 ROLLING_NODE_BY_NODE = "RollingNodeByNode"
 MAKING_ROOM = "MakingRoom"
 ROOM_HELD = "RoomHeld"
+EVICTIONS_UNDONE = "EvictionsUndone"
 # How long a node's daemon may wait for room with no engine pod there the operator could
 # evict before the status says who must act: the daemon drops kept weights 30 s after the
 # last engine lets go, so a shorter wait is a rollout still moving.
@@ -81,10 +88,13 @@ class Progress:
     strategy: str = "NodeByNode"
     # Auto: nodes whose daemon has waited for room ROOM_HELD_SECONDS with nothing to evict.
     held: tuple[str, ...] = ()
+    # Controllers that re-create the pods evicted from a node, bound to the old
+    # generation ("Kind/name on node N re-creates its pods bound to G").
+    undone: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
-        return bool(self.rolling or self.waiting or self.blocked or self.held)
+        return bool(self.rolling or self.waiting or self.blocked or self.held or self.undone)
 
 
 def unavailable_budget(max_unavailable: int | str, nodes: int) -> int:
@@ -187,3 +197,43 @@ def room_held(
     nothing = {node: since.get(node, now) for node in waiting if not retiring.get(node)}
     held = tuple(sorted(n for n, t in nothing.items() if now - t >= after))
     return held, nothing
+
+
+# (node, the controller's uid, the generation its pods there are bound to)
+ControllerKey = tuple[str, str, str]
+
+
+def controller_key(pod: EnginePodView, generation: str) -> ControllerKey | None:
+    """Whose pods an eviction of `pod` (bound to `generation`) makes again; None for a pod
+    without a controller or a node (nobody re-creates it there)."""
+    if not pod.owner_uid or not pod.node:
+        return None
+    return (pod.node, pod.owner_uid, generation)
+
+
+def by_controller(retiring: Mapping[str, Sequence[EnginePodView]],
+                  runs: Mapping[str, str]) -> dict[ControllerKey, frozenset[str]]:
+    """The retiring pods' uids per controller key (`runs`: pod uid -> its generation)."""
+    out: dict[ControllerKey, set[str]] = {}
+    for pods in retiring.values():
+        for pod in pods:
+            key = controller_key(pod, runs[pod.uid])
+            if key is not None:
+                out.setdefault(key, set()).add(pod.uid)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def recreated(
+    present: Mapping[ControllerKey, frozenset[str]],
+    evicted_from: Mapping[ControllerKey, frozenset[str]],
+) -> tuple[frozenset[str], dict[ControllerKey, frozenset[str]]]:
+    """Retiring pods made after the operator evicted one of their controller's pods bound
+    to the same generation on the same node. `present`: the retiring pods per controller
+    key now (`by_controller`); `evicted_from`: per key the operator evicted from, the pods
+    there at its first eviction. A pod of such a key that is not among them was made
+    since, bound to the old generation again: evicting it would be undone again. Returns
+    their uids, and `evicted_from` without the keys that have no retiring pod left (a
+    controller that stopped re-creating, or a node that rolled)."""
+    kept = {k: v for k, v in evicted_from.items() if k in present}
+    undone = frozenset(uid for k, before in kept.items() for uid in present[k] - before)
+    return undone, kept

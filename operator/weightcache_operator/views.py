@@ -93,6 +93,10 @@ class EnginePodView:
     # Why the pod is past the limits of podlimits.py; then nothing of its labels and
     # annotations is kept (no cache gates it) and its gate is closed saying this.
     over_limits: str = ""
+    # Its controller (ownerReference with controller: true), "Kind/name" and uid: who
+    # makes a new pod when the operator evicts this one (rollout.recreated).
+    owner: str = ""
+    owner_uid: str = ""
 
     @property
     def finished(self) -> bool:
@@ -284,7 +288,19 @@ def engine_pod_view(body: Mapping[str, Any]) -> EnginePodView:
         bindings=bindings,
         phase=_interned(str((body.get("status") or {}).get("phase") or "Pending")),
         over_limits=over or "",
+        **_controller(meta),
     )
+
+
+def _controller(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The pod's controller as `owner` ("Kind/name", cut to the pod limits) and
+    `owner_uid`; nothing for a pod without one."""
+    for ref in meta.get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("controller"):
+            owner = f"{ref.get('kind')}/{ref.get('name')}"
+            return {"owner": _interned(podlimits.cut(owner, podlimits.MAX_OWNER_CHARS)),
+                    "owner_uid": _interned(podlimits.cut(ref.get("uid") or ""))}
+    return {}
 
 
 def _interned(value: Any) -> str:

@@ -911,6 +911,39 @@ def test_a_listed_tenants_budget_holds_the_rollout_until_its_namespace_is_unlist
     assert kube.of("evict") == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
 
 
+def test_pods_a_controller_recreates_bound_to_the_old_generation_are_not_evicted_again(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """Issue 42 item 3, found on the real node: a Deployment whose template carries the
+    binding to the old generation, in its own rolling update, re-creates every pod the
+    operator evicts, bound to that generation, on that node: evicting each new copy (every
+    pass) never lets the node roll. The operator evicts the pods that were there, then
+    leaves the copies alone and says which controller holds the node and what to change."""
+    caches = [cache(spec=NODE_BY_NODE)]
+    daemons = [old_daemon("node-a")]
+
+    def replica(name: str, terminating: bool = False) -> EnginePodView:
+        return dataclasses.replace(old_engine("node-a", terminating), name=name,
+                                   uid=f"uid-{name}", owner="ReplicaSet/engine-5f9c",
+                                   owner_uid="rs-uid")
+
+    run(reconciler.status(state(caches, daemons, engines=[replica("e-1")]), NS, NAME))
+    assert kube.of("evict") == [(NS, "e-1", "uid-e-1")]
+    # Gone, and its ReplicaSet's new pod is bound to the old generation again.
+    world = state(caches, daemons, engines=[replica("e-2")])
+    for _ in range(3):
+        run(reconciler.status(world, NS, NAME))
+    assert kube.of("evict") == [(NS, "e-1", "uid-e-1")]  # the copy is left alone
+    assert kube.events.count(("WeightCache", rollout.EVICTIONS_UNDONE)) == 1
+    (cond,) = [c for c in kube.of("status")[-1]["conditions"] if c["type"] == "Progressing"]
+    assert cond["reason"] == rollout.EVICTIONS_UNDONE, cond
+    assert "ReplicaSet/engine-5f9c on node node-a" in cond["message"]
+    assert "Recreate" in cond["message"]
+    # The Deployment rolled (Recreate): its old pods went without the operator; the node rolls.
+    run(reconciler.status(state(caches, daemons, engines=[]), NS, NAME))
+    assert kube.of("evict")[1:] == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
+
+
 SURGE = {**SPEC, "rollout": {"strategy": "Surge"}}
 
 

@@ -113,3 +113,41 @@ def test_a_node_waiting_for_room_counts_as_held_only_with_nothing_to_evict_for_l
     assert held == ("node-a",) and since == {"node-a": 10.0}
     # A node no longer waiting is forgotten: its next wait starts over.
     assert rollout.room_held(["node-b"], {}, since, now=500.0) == ((), {"node-b": 500.0})
+
+
+def owned(node: str, name: str, owner: str = "rs-1") -> EnginePodView:
+    return EnginePodView(namespace="ns", name=name, uid=name, labels={}, node=node, gate=None,
+                         terminating=False, phase="Running", owner=f"ReplicaSet/{owner}",
+                         owner_uid=owner)
+
+
+def test_a_pod_its_controller_made_after_an_eviction_is_recreated_not_one_that_was_there() -> None:
+    a, b = owned("n1", "a"), owned("n1", "b")
+    runs = {"a": V1, "b": V1, "c": V1, "other": V1, "bare": V1}
+    present = rollout.by_controller({"n1": [a, b]}, runs)
+    key = rollout.controller_key(a, V1)
+    assert present == {key: frozenset({"a", "b"})}
+    # The operator evicted `a`; `b` was there then, so it is evicted next, not "recreated".
+    evicted_from = {key: present[key]}
+    undone, kept = rollout.recreated(present, evicted_from)
+    assert undone == frozenset() and kept == evicted_from
+    # `a` gone, `c` made by the same ReplicaSet bound to the same generation: re-created.
+    # Another controller's pod, and a pod of no controller, are not.
+    bare = EnginePodView(namespace="ns", name="bare", uid="bare", labels={}, node="n1",
+                         gate=None, terminating=False)
+    later = {"n1": [b, owned("n1", "c"), owned("n1", "other", owner="rs-2"), bare]}
+    undone, kept = rollout.recreated(rollout.by_controller(later, runs), evicted_from)
+    assert undone == frozenset({"c"})
+    # Once no pod of that controller runs the old generation there, it is forgotten.
+    undone, kept = rollout.recreated(rollout.by_controller({"n1": [bare]}, runs), evicted_from)
+    assert (undone, kept) == (frozenset(), {})
+
+
+def test_the_same_controller_on_another_generation_or_node_is_another_key() -> None:
+    a = owned("n1", "a")
+    assert rollout.controller_key(a, V1) != rollout.controller_key(a, V2)
+    assert rollout.controller_key(a, V1) != rollout.controller_key(owned("n2", "a"), V1)
+    unscheduled = EnginePodView(namespace="ns", name="p", uid="p", labels={}, node=None,
+                                gate=None, terminating=False, owner="ReplicaSet/r",
+                                owner_uid="r")
+    assert rollout.controller_key(unscheduled, V1) is None

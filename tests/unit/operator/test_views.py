@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from weightcache.report import annotation_key
-from weightcache_operator import names, views
+from weightcache_operator import names, podlimits, views
 from weightcache_operator.shape import shape_digest
 
 
@@ -74,6 +74,21 @@ def test_engine_pod_gate_detection_and_view() -> None:
     body["metadata"]["annotations"] = {key: "a" * 64, "weightcache.dev/other": "x"}
     assert views.engine_pod_view(body).bindings == {key: "a" * 64}
 
+
+
+def test_an_engine_pod_view_keeps_its_controller_bounded() -> None:
+    meta = {"name": "e", "namespace": "ns", "uid": "u", "ownerReferences": [
+        {"kind": "Node", "name": "n", "uid": "not-controller"},
+        {"kind": "ReplicaSet", "name": "engine-5f9c", "uid": "rs-uid", "controller": True}]}
+    view = views.engine_pod_view({"metadata": meta})
+    assert (view.owner, view.owner_uid) == ("ReplicaSet/engine-5f9c", "rs-uid")
+    meta["ownerReferences"] = [{"kind": "X", "name": "n" * 5000, "uid": "u" * 5000,
+                                "controller": True}]
+    view = views.engine_pod_view({"metadata": meta})
+    assert len(view.owner) == podlimits.MAX_OWNER_CHARS
+    assert len(view.owner_uid) == podlimits.MAX_VALUE_CHARS
+    meta["ownerReferences"] = ["not an object"]
+    assert views.engine_pod_view({"metadata": meta}).owner_uid == ""
 
 def test_daemonset_view() -> None:
     body = {
