@@ -49,7 +49,8 @@ from tests.k8s.operator_flow import (
     is_ready,
     minilm_dir,
 )
-from tests.k8s.realstack import CACHE, ENGINE, Stack, split_ref, weightcache
+from tests.k8s.realstack import CACHE, ENGINE, Stack, reports_of, split_ref, weightcache
+from tests.k8s.traffic import Traffic
 from tools import engine_pod
 from tools.testenv import images
 from tools.testenv.cluster import Cluster
@@ -663,6 +664,99 @@ def test_a_tenants_churn_slows_no_other_tenants_admission_past_a_hang_guard(
                      "other_tenant_dry_run_quiet": summary(quiet),
                      "other_tenant_dry_run_during": summary(during),
                      "other_tenant_gated_during": seen.figures()})
+
+
+def progressing(stack: Stack) -> tuple[str, str]:
+    status = stack.api.status(stack.namespace, CACHE)
+    c = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    return c["reason"], c.get("message", "")
+
+
+def oom_killed(pods: list[k8s.V1Pod]) -> list[tuple[str, str]]:
+    return [(p.metadata.name, s.name) for p in pods for s in p.status.container_statuses or []
+            if s.last_state and s.last_state.terminated
+            and s.last_state.terminated.reason == "OOMKilled"]
+
+
+def test_node_by_node_under_a_memory_limit_holds_at_a_budget_and_kills_nothing(
+    stack: Stack, real_cluster: Cluster,
+) -> None:
+    """Issue 42 item 3, as the docs tell a platform team to run it: two replicas of the
+    one-label engine on a node whose daemon may not hold a second generation beside the
+    first (a memory limit), a PodDisruptionBudget of maxUnavailable 1, `NodeByNode`, and
+    the model edited with requests flowing. The operator evicts one engine; its
+    ReplicaSet's new pod is bound by the webhook to the new generation and waits for it;
+    the budget refuses the second eviction, which holds the rollout with a Warning Event
+    and the status reason EvictionBlocked while the other replica serves. Relaxed, the
+    rollout ends: the daemon is replaced once no engine runs the old generation and loads
+    the new one alone, under the limit. No container is OOM-killed, no request fails."""
+    stack.steady()
+    stack.apply(engine(stack, "nbn", replicas=2))
+    eventually("two replicas of the one-label engine", lambda: stack.rolled_out() and len(
+        [p for p in stack.engine_pods() if is_ready(p)
+         and p.metadata.labels.get("version") == "nbn"]) == 2, bound=300)
+    daemon = stack.daemon_pod()
+    assert daemon is not None
+    (report,) = reports_of(daemon).values()
+    first = report.spec_hash
+    assert report.memory_total_bytes and report.memory_free_bytes is not None
+    used = report.memory_total_bytes - report.memory_free_bytes
+    # Room for what the daemon uses with one generation and some headroom, not a second.
+    limit = used + report.preloaded_weights_bytes * 3 // 4
+    budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+              "metadata": {"name": "engines", "namespace": stack.namespace},
+              "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": ENGINE}}}}
+    stack.apply(budget)
+    stack.kubectl("patch", "wc", "-n", stack.namespace, CACHE, "--type", "merge", "-p",
+                  json.dumps({"spec": {"rollout": {"strategy": "NodeByNode"}, "sidecar": {
+                      "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
+                                    "limits": {"memory": str(limit)}}}}}))
+    assert real_cluster.node is not None and real_cluster.node.layout is not None
+    traffic = Traffic(stack.api.core, stack.namespace, SYSTEM_NS, CACHE,
+                      real_cluster.node.layout.netns, {"app": ENGINE}).start()
+    try:
+        since = traffic.wait_for_requests(pods=2)
+        stack.kubectl("patch", "wc", "-n", stack.namespace, CACHE, "--type", "merge", "-p",
+                      json.dumps({"spec": {"model": {"revision": "nbn"}}}))
+        reason, message = eventually("the budget holding the rollout", lambda: (
+            progressing(stack) if progressing(stack)[0] == "EvictionBlocked" else None),
+            bound=300)
+        assert "disruption budget" in message, message
+        events = stack.kubectl(
+            "get", "events", "-n", stack.namespace, "--field-selector",
+            f"involvedObject.name={CACHE},reason=EvictionBlocked", "-o", "name")
+        assert events.strip(), "no EvictionBlocked event"
+        held = stack.daemon_pod()
+        assert held is not None and held.metadata.uid == daemon.metadata.uid
+        # One old replica was evicted; the other serves on from the old generation.
+        assert [p.metadata.name for p in stack.engine_pods() if is_ready(p)], "none serving"
+
+        budget["spec"]["maxUnavailable"] = 2
+        stack.apply(budget)
+
+        def rolled() -> k8s.V1Pod | None:
+            pod = stack.daemon_pod()
+            if pod is None or pod.metadata.uid == daemon.metadata.uid or not is_ready(pod):
+                return None
+            reports = list(reports_of(pod).values())
+            alone = len(reports) == 1 and reports[0].spec_hash != first and not reports[0].retained
+            engines = [p for p in stack.engine_pods() if is_ready(p)]
+            return pod if alone and len(engines) == 2 else None
+
+        pod = eventually("the new daemon, alone, and both replicas on its generation", rolled,
+                         bound=300)
+        until = traffic.wait_for_requests(pods=2)
+        counts = traffic.counts(since, until)
+        record("node by node under a memory limit, a budget of 1",
+               {**counts, "limit_bytes": limit})
+        assert counts["failed"] == counts["wrong"] == 0, traffic.failures(since, until)
+        assert oom_killed([pod, *stack.engine_pods()]) == []
+        (container,) = [c for c in pod.spec.containers if c.name == "daemon"]
+        assert int(container.resources.limits["memory"]) == limit  # it ran under the limit
+        assert progressing(stack)[0] != "EvictionBlocked"
+    finally:
+        traffic.stop()
+        stack.kubectl("delete", "pdb", "-n", stack.namespace, "engines", "--ignore-not-found")
 
 
 def test_deleting_the_cache_removes_its_daemonset_label_and_gates(stack: Stack) -> None:
