@@ -496,9 +496,12 @@ class FleetRun:
         self.watch.start()
 
     def create_unrelated_pods(self, count: int) -> None:
-        """`count` pods of other workloads in a namespace of their own, bound to a node that
-        does not exist: they stay Pending, costing no scheduler and no kwok work, and are
-        listed and watched like any pod."""
+        """`count` pods of other workloads in a namespace of their own, bound to the fleet's
+        nodes in turn (no scheduler work) and run there by kwok, as a cluster's other
+        workloads run beside the engines; waited for until every one is Running, so kwok's
+        status writes are over before the operator starts. A pod bound to a node that does
+        not exist would be deleted by the pod garbage collector (an orphan), and one that
+        no node matches retried by the scheduler every few minutes."""
         self.api.request("POST", "/api/v1/namespaces", {
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": UNRELATED}})
         self._until("the unrelated namespace's default ServiceAccount",
@@ -509,8 +512,13 @@ class FleetRun:
         started = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda i: self.api.request(
-                "POST", f"/api/v1/namespaces/{UNRELATED}/pods", unrelated_pod(i)), range(count)))
+                "POST", f"/api/v1/namespaces/{UNRELATED}/pods",
+                unrelated_pod(i, self.nodes[i % len(self.nodes)])), range(count)))
         say(f"created {count} unrelated pods in {time.monotonic() - started:.0f} s")
+        self._until("every unrelated pod Running", lambda: not self.api.request(
+            "GET", f"/api/v1/namespaces/{UNRELATED}/pods"
+            "?fieldSelector=status.phase!%3DRunning&limit=1")["items"], 1800, every=5)
+        say(f"{count} unrelated pods Running after {time.monotonic() - started:.0f} s")
 
     def close(self) -> None:
         if self.watch is not None:
@@ -1219,8 +1227,10 @@ def weightcache(gpus: int, revision: str, max_unavailable: int | str) -> dict[st
     }
 
 
-def unrelated_pod(i: int) -> dict[str, Any]:
-    """A pod of another team's Deployment (~2 KB, as such pods come), never scheduled."""
+def unrelated_pod(i: int, node: str) -> dict[str, Any]:
+    """A pod of another team's Deployment (~2 KB, as such pods come), bound to `node`. On
+    the host's network: kwok's pod range (a /16) holds fewer addresses than the pods a
+    100,000-pod run makes."""
     app = f"web-{i % 500:03d}"
     return {
         "apiVersion": "v1",
@@ -1234,7 +1244,8 @@ def unrelated_pod(i: int) -> dict[str, Any]:
                             "prometheus.io/scrape": "true", "prometheus.io/port": "9090"},
         },
         "spec": {
-            "nodeName": "unrelated-nowhere",
+            "nodeName": node,
+            "hostNetwork": True,
             "terminationGracePeriodSeconds": 0,
             "containers": [{
                 "name": "web", "image": f"registry.example/{app}:1.2.3",
