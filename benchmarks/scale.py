@@ -114,6 +114,9 @@ OPERATOR_ACCOUNT = "weightcache-operator"
 CACHE = "llama"
 ENGINE_APP = "fleet-engine"
 UNRELATED = "unrelated"
+# A kwok node takes 110 pods (tools/testenv/nodes.py): room left for the engine, the old and
+# the new daemon pod.
+UNRELATED_PER_NODE = 100
 SOCKET_ROOT = "/var/run/weightcache"
 MODEL_ROOT = "/models"
 # One TP-8 shard of a 70B bf16 checkpoint.
@@ -502,6 +505,10 @@ class FleetRun:
         status writes are over before the operator starts. A pod bound to a node that does
         not exist would be deleted by the pod garbage collector (an orphan), and one that
         no node matches retried by the scheduler every few minutes."""
+        if count > UNRELATED_PER_NODE * len(self.nodes):
+            raise ValueError(f"{count} unrelated pods are more than {UNRELATED_PER_NODE} per "
+                             f"node on {len(self.nodes)} nodes (a node takes 110 pods; the "
+                             "daemon pods are scheduled)")
         self.api.request("POST", "/api/v1/namespaces", {
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": UNRELATED}})
         self._until("the unrelated namespace's default ServiceAccount",

@@ -160,9 +160,8 @@ class Reconciler:
     _eviction_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     # Per cache uid (Auto): per node waiting for room with nothing to evict, since when.
     _room_waits: dict[str, dict[str, float]] = field(default_factory=dict)
-    # Per cache uid: per controller key evicted from, the pods there at its first eviction
-    # (rollout.recreated).
-    _evicted_from: dict[str, dict[rollout.ControllerKey, frozenset[str]]] = field(
+    # Per cache uid: the controllers the operator evicted from (rollout.recreated).
+    _evicted_from: dict[str, dict[rollout.ControllerKey, rollout.EvictedFrom]] = field(
         default_factory=dict)
     _room_rechecks: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     # Coalesced writes: cache statuses, and gate messages (filled in __post_init__).
@@ -528,6 +527,7 @@ class Reconciler:
     def forget_pod(self, uid: str) -> None:
         """An engine pod is gone: nothing of it is kept."""
         self.gates.forget(uid)
+        self._refusals.pop(uid, None)
 
     async def close_unwatched_gate(self, pod: views.EnginePodView) -> None:
         """A pod left the watch while not terminating: deleted at once, or its
@@ -612,6 +612,8 @@ class Reconciler:
         metrics.forget_cache(namespace, name)
         self.statuses.forget(uid)
         self.announced.pop(uid, None)
+        self._room_waits.pop(uid, None)
+        self._evicted_from.pop(uid, None)
         for key in [k for k in self._judged if k[0] == uid]:
             del self._judged[key]
         for key in [k for k in self._good if k[0] == uid]:
@@ -734,8 +736,14 @@ class Reconciler:
             plan = rollout.plan(current, spec.rollout.max_unavailable, daemons, retiring)
             why_evicted = (f"evicted so that the node's daemon loads {current[:12]} alone "
                            "(rollout.strategy NodeByNode)")
-        present = rollout.by_controller(retiring, runs)
-        undone, evicted_from = rollout.recreated(present, self._evicted_from.get(cache.uid, {}))
+        now = self.clock()
+        # Every pod on an older generation, on any node or none: a pod not yet scheduled at
+        # an eviction is no copy made since.
+        present = rollout.by_controller(
+            (pod, generation) for pod, generation in
+            _running_generations(state, cache, spec, current) if generation != current)
+        undone, evicted_from = rollout.recreated(
+            present, self._evicted_from.get(cache.uid, {}), now)
         blocked: list[str] = []
         undone_by: dict[str, None] = {}
         for pod in plan.evict_engines:
@@ -757,7 +765,7 @@ class Reconciler:
             if why:
                 blocked.append(f"{pod.namespace}/{pod.name}: {why}")
             elif (key := rollout.controller_key(pod, generation)) is not None:
-                evicted_from.setdefault(key, present[key])
+                evicted_from.setdefault(key, rollout.EvictedFrom(present[key], now))
         if evicted_from:
             self._evicted_from[cache.uid] = evicted_from
         else:

@@ -42,7 +42,7 @@ again; the status says which controller holds the node and what to change.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from weightcache.report import ReportError, decode_pod_reports
@@ -199,41 +199,57 @@ def room_held(
     return held, nothing
 
 
-# (node, the controller's uid, the generation its pods there are bound to)
-ControllerKey = tuple[str, str, str]
+
+# (the controller's uid, the older generation its pods are bound to)
+ControllerKey = tuple[str, str]
+# How long the operator remembers a controller it evicted from once no pod of it bound to
+# that generation is seen: an evicted pod may be gone a moment before its copy is made.
+FORGET_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class EvictedFrom:
+    """A controller the operator evicted a pod of, bound to an older generation."""
+
+    # Its pods bound to that generation at the first eviction, scheduled or not.
+    before: frozenset[str]
+    # When a pod of it bound to that generation was last seen.
+    seen: float
 
 
 def controller_key(pod: EnginePodView, generation: str) -> ControllerKey | None:
     """Whose pods an eviction of `pod` (bound to `generation`) makes again; None for a pod
-    without a controller or a node (nobody re-creates it there)."""
-    if not pod.owner_uid or not pod.node:
-        return None
-    return (pod.node, pod.owner_uid, generation)
+    without a controller (nobody re-creates it)."""
+    return (pod.owner_uid, generation) if pod.owner_uid else None
 
 
-def by_controller(retiring: Mapping[str, Sequence[EnginePodView]],
-                  runs: Mapping[str, str]) -> dict[ControllerKey, frozenset[str]]:
-    """The retiring pods' uids per controller key (`runs`: pod uid -> its generation)."""
+def by_controller(pods: Iterable[tuple[EnginePodView, str]]
+                  ) -> dict[ControllerKey, frozenset[str]]:
+    """The uids of `pods` (each with the generation it is bound to) per controller key."""
     out: dict[ControllerKey, set[str]] = {}
-    for pods in retiring.values():
-        for pod in pods:
-            key = controller_key(pod, runs[pod.uid])
-            if key is not None:
-                out.setdefault(key, set()).add(pod.uid)
+    for pod, generation in pods:
+        key = controller_key(pod, generation)
+        if key is not None:
+            out.setdefault(key, set()).add(pod.uid)
     return {k: frozenset(v) for k, v in out.items()}
 
 
 def recreated(
     present: Mapping[ControllerKey, frozenset[str]],
-    evicted_from: Mapping[ControllerKey, frozenset[str]],
-) -> tuple[frozenset[str], dict[ControllerKey, frozenset[str]]]:
-    """Retiring pods made after the operator evicted one of their controller's pods bound
-    to the same generation on the same node. `present`: the retiring pods per controller
-    key now (`by_controller`); `evicted_from`: per key the operator evicted from, the pods
-    there at its first eviction. A pod of such a key that is not among them was made
-    since, bound to the old generation again: evicting it would be undone again. Returns
-    their uids, and `evicted_from` without the keys that have no retiring pod left (a
-    controller that stopped re-creating, or a node that rolled)."""
-    kept = {k: v for k, v in evicted_from.items() if k in present}
-    undone = frozenset(uid for k, before in kept.items() for uid in present[k] - before)
+    evicted_from: Mapping[ControllerKey, EvictedFrom],
+    now: float,
+    forget_after: float = FORGET_SECONDS,
+) -> tuple[frozenset[str], dict[ControllerKey, EvictedFrom]]:
+    """Pods made after the operator evicted one of their controller's pods bound to the
+    same older generation. `present`: the cache's pods bound to an older generation now,
+    per controller key, on any node or none (`by_controller`); `evicted_from`: what the
+    operator evicted from. A pod of such a key that was not there at the first eviction
+    was made since, bound to the old generation again: evicting it would be undone again.
+    Returns their uids, and `evicted_from` as the next pass keeps it: seen now where the
+    key has pods, forgotten `forget_after` seconds after it last had any."""
+    kept = {k: EvictedFrom(e.before, now) if k in present else e
+            for k, e in evicted_from.items()
+            if k in present or now - e.seen < forget_after}
+    undone = frozenset(uid for k, e in kept.items() if k in present
+                       for uid in present[k] - e.before)
     return undone, kept

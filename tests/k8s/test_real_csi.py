@@ -39,6 +39,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils import parse_quantity
 
 from tests.k8s import tenants
 from tests.k8s.operator_flow import (
@@ -683,8 +684,9 @@ def test_node_by_node_under_a_memory_limit_holds_at_a_budget_and_kills_nothing(
 ) -> None:
     """Issue 42 item 3, as the docs tell a platform team to run it: two replicas of the
     one-label engine on a node whose daemon may not hold a second generation beside the
-    first (a memory limit), a PodDisruptionBudget of maxUnavailable 1, `NodeByNode`, and
-    the model edited with requests flowing. The operator evicts one engine; its
+    first (a memory limit: room for one and three quarters of the weights), a
+    PodDisruptionBudget of maxUnavailable 1, `NodeByNode`, and the model edited with
+    requests flowing. The operator evicts one engine; its
     ReplicaSet's new pod is bound by the webhook to the new generation and waits for it;
     the budget refuses the second eviction, which holds the rollout with a Warning Event
     and the status reason EvictionBlocked while the other replica serves. Relaxed, the
@@ -703,6 +705,7 @@ def test_node_by_node_under_a_memory_limit_holds_at_a_budget_and_kills_nothing(
     used = report.memory_total_bytes - report.memory_free_bytes
     # Room for what the daemon uses with one generation and some headroom, not a second.
     limit = used + report.preloaded_weights_bytes * 3 // 4
+    assert limit >= 256 * 2**20, limit  # no less than the request below
     budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
               "metadata": {"name": "engines", "namespace": stack.namespace},
               "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": ENGINE}}}}
@@ -752,7 +755,7 @@ def test_node_by_node_under_a_memory_limit_holds_at_a_budget_and_kills_nothing(
         assert counts["failed"] == counts["wrong"] == 0, traffic.failures(since, until)
         assert oom_killed([pod, *stack.engine_pods()]) == []
         (container,) = [c for c in pod.spec.containers if c.name == "daemon"]
-        assert int(container.resources.limits["memory"]) == limit  # it ran under the limit
+        assert parse_quantity(container.resources.limits["memory"]) == limit  # it ran under it
         assert progressing(stack)[0] != "EvictionBlocked"
     finally:
         traffic.stop()

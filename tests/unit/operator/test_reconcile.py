@@ -944,6 +944,44 @@ def test_pods_a_controller_recreates_bound_to_the_old_generation_are_not_evicted
     assert kube.of("evict")[1:] == [(SYSTEM, "wc-node-a", "uid-wc-node-a")]
 
 
+def test_a_replica_scheduled_after_an_eviction_is_evicted_not_taken_for_a_copy(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    """A replica bound to the old generation but not yet scheduled at the first eviction
+    (admitted before the edit) is no copy: once it lands on the node it is evicted."""
+    caches = [cache(spec=NODE_BY_NODE)]
+    daemons = [old_daemon("node-a")]
+
+    def replica(name: str, node: str | None) -> EnginePodView:
+        return dataclasses.replace(old_engine("node-a"), name=name, uid=f"uid-{name}",
+                                   node=node, owner="ReplicaSet/engine-5f9c",
+                                   owner_uid="rs-uid")
+
+    run(reconciler.status(state(caches, daemons, engines=[
+        replica("e-1", "node-a"), replica("pending", None)]), NS, NAME))
+    assert kube.of("evict") == [(NS, "e-1", "uid-e-1")]
+    run(reconciler.status(state(caches, daemons, engines=[replica("pending", "node-a")]),
+                          NS, NAME))
+    assert kube.of("evict")[1:] == [(NS, "pending", "uid-pending")]
+    assert ("WeightCache", rollout.EVICTIONS_UNDONE) not in kube.events
+
+
+def test_auto_leaves_copies_alone_too_while_the_new_daemon_waits_for_room(
+    kube: RecordingKube, reconciler: Reconciler
+) -> None:
+    caches = [cache(spec=SPEC)]  # Auto, the default
+    daemons = [waiting_daemon("node-a")]
+
+    def replica(name: str) -> EnginePodView:
+        return dataclasses.replace(old_engine("node-a"), name=name, uid=f"uid-{name}",
+                                   owner="ReplicaSet/engine-5f9c", owner_uid="rs-uid")
+
+    run(reconciler.status(state(caches, daemons, engines=[replica("e-1")]), NS, NAME))
+    run(reconciler.status(state(caches, daemons, engines=[replica("e-2")]), NS, NAME))
+    assert kube.of("evict") == [(NS, "e-1", "uid-e-1")]
+    assert progressing(kube.of("status")[-1]) == ("True", rollout.EVICTIONS_UNDONE)
+
+
 SURGE = {**SPEC, "rollout": {"strategy": "Surge"}}
 
 

@@ -115,39 +115,47 @@ def test_a_node_waiting_for_room_counts_as_held_only_with_nothing_to_evict_for_l
     assert rollout.room_held(["node-b"], {}, since, now=500.0) == ((), {"node-b": 500.0})
 
 
-def owned(node: str, name: str, owner: str = "rs-1") -> EnginePodView:
+
+def owned(node: str | None, name: str, owner: str = "rs-1") -> EnginePodView:
     return EnginePodView(namespace="ns", name=name, uid=name, labels={}, node=node, gate=None,
                          terminating=False, phase="Running", owner=f"ReplicaSet/{owner}",
                          owner_uid=owner)
 
 
 def test_a_pod_its_controller_made_after_an_eviction_is_recreated_not_one_that_was_there() -> None:
-    a, b = owned("n1", "a"), owned("n1", "b")
-    runs = {"a": V1, "b": V1, "c": V1, "other": V1, "bare": V1}
-    present = rollout.by_controller({"n1": [a, b]}, runs)
+    a, b, pending = owned("n1", "a"), owned("n2", "b"), owned(None, "pending")
+    present = rollout.by_controller([(a, V1), (b, V1), (pending, V1)])
     key = rollout.controller_key(a, V1)
-    assert present == {key: frozenset({"a", "b"})}
-    # The operator evicted `a`; `b` was there then, so it is evicted next, not "recreated".
-    evicted_from = {key: present[key]}
-    undone, kept = rollout.recreated(present, evicted_from)
-    assert undone == frozenset() and kept == evicted_from
+    assert present == {key: frozenset({"a", "b", "pending"})}
+    # The operator evicted `a`; `b` and the unscheduled one were there then: not copies.
+    evicted_from = {key: rollout.EvictedFrom(present[key], 0.0)}
+    undone, kept = rollout.recreated(present, evicted_from, 1.0)
+    assert undone == frozenset() and kept == {key: rollout.EvictedFrom(present[key], 1.0)}
     # `a` gone, `c` made by the same ReplicaSet bound to the same generation: re-created.
-    # Another controller's pod, and a pod of no controller, are not.
+    # Another controller's pod, one on another generation, one of no controller are not.
     bare = EnginePodView(namespace="ns", name="bare", uid="bare", labels={}, node="n1",
                          gate=None, terminating=False)
-    later = {"n1": [b, owned("n1", "c"), owned("n1", "other", owner="rs-2"), bare]}
-    undone, kept = rollout.recreated(rollout.by_controller(later, runs), evicted_from)
+    later = [(b, V1), (owned("n1", "c"), V1), (owned("n1", "other", owner="rs-2"), V1),
+             (owned("n1", "newer"), V2), (pending, V1), (bare, V1)]
+    undone, kept = rollout.recreated(rollout.by_controller(later), evicted_from, 2.0)
     assert undone == frozenset({"c"})
-    # Once no pod of that controller runs the old generation there, it is forgotten.
-    undone, kept = rollout.recreated(rollout.by_controller({"n1": [bare]}, runs), evicted_from)
+
+
+def test_a_controller_is_remembered_a_while_after_its_last_pod_went() -> None:
+    """An evicted pod may be gone a moment before its controller makes the copy."""
+    key = ("rs-1", V1)
+    evicted_from = {key: rollout.EvictedFrom(frozenset({"a"}), 10.0)}
+    undone, kept = rollout.recreated({}, evicted_from, 10.0 + rollout.FORGET_SECONDS - 1)
+    assert kept == evicted_from
+    undone, kept = rollout.recreated({key: frozenset({"copy"})}, kept, 80.0)
+    assert undone == frozenset({"copy"})
+    undone, kept = rollout.recreated({}, evicted_from, 10.0 + rollout.FORGET_SECONDS)
     assert (undone, kept) == (frozenset(), {})
 
 
-def test_the_same_controller_on_another_generation_or_node_is_another_key() -> None:
+def test_the_same_controller_on_another_generation_is_another_key() -> None:
     a = owned("n1", "a")
     assert rollout.controller_key(a, V1) != rollout.controller_key(a, V2)
-    assert rollout.controller_key(a, V1) != rollout.controller_key(owned("n2", "a"), V1)
-    unscheduled = EnginePodView(namespace="ns", name="p", uid="p", labels={}, node=None,
-                                gate=None, terminating=False, owner="ReplicaSet/r",
-                                owner_uid="r")
-    assert rollout.controller_key(unscheduled, V1) is None
+    bare = EnginePodView(namespace="ns", name="p", uid="p", labels={}, node="n1", gate=None,
+                         terminating=False)
+    assert rollout.controller_key(bare, V1) is None

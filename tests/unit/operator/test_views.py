@@ -75,7 +75,6 @@ def test_engine_pod_gate_detection_and_view() -> None:
     assert views.engine_pod_view(body).bindings == {key: "a" * 64}
 
 
-
 def test_an_engine_pod_view_keeps_its_controller_bounded() -> None:
     meta = {"name": "e", "namespace": "ns", "uid": "u", "ownerReferences": [
         {"kind": "Node", "name": "n", "uid": "not-controller"},
@@ -89,6 +88,7 @@ def test_an_engine_pod_view_keeps_its_controller_bounded() -> None:
     assert len(view.owner_uid) == podlimits.MAX_VALUE_CHARS
     meta["ownerReferences"] = ["not an object"]
     assert views.engine_pod_view({"metadata": meta}).owner_uid == ""
+
 
 def test_daemonset_view() -> None:
     body = {
