@@ -410,9 +410,13 @@ def test_whole_node_restarted_gates_close_the_daemon_reloads_and_nothing_stale_b
     assert f"({len(stale)} dead engine socket(s) removed)" in status["load_reason"], status
     assert manifest.read_bytes() != manifest_before  # a fresh one, with a fresh key
     assert after.daemon.pod_uid == before.daemon.pod_uid  # kubelet restarted the same pods
-    # The gates closed while the weights were gone, and reopened.
-    closed = [t for t in traffic.gate_changes(down) if t.before == "True"]
-    assert {t.pod for t in closed} >= set(before.engines), traffic.gate_changes(down)
+    # Every engine left service while the weights were gone (its process died with the
+    # node), and came back. Its gate may not show it: the operator carries the daemon
+    # process's verdict until its successor's first report (issue 42), and a successor
+    # that reloads within one status interval reports Ready before a close is written.
+    out = {t.pod for t in traffic.ready_changes(down) if t.before == "True"}
+    out |= {t.pod for t in traffic.gate_changes(down) if t.before == "True"}
+    assert out >= set(before.engines), (traffic.ready_changes(down), traffic.gate_changes(down))
     assert counts["wrong"] == 0
     assert traffic.counts(reopened, until)["failed"] == 0, traffic.failures(reopened, until)
     # The old engines' sockets are gone; each engine offers its weights again.

@@ -189,6 +189,10 @@ class Traffic:
         with self._lock:
             return [t for t in self.transitions if t.at >= since and t.kind == "gate"]
 
+    def ready_changes(self, since: float = 0.0) -> list[Transition]:
+        with self._lock:
+            return [t for t in self.transitions if t.at >= since and t.kind == "ready"]
+
     def served_since(self, pod: str, since: float) -> int:
         with self._lock:
             return sum(1 for r in self.requests
