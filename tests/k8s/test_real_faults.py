@@ -379,7 +379,7 @@ def test_engine_oom_killed_between_receiving_fds_and_mapping_them(
     assert after.fds == before.fds
 
 
-def test_whole_node_restarted_gates_close_the_daemon_reloads_and_nothing_stale_blocks_it(
+def test_whole_node_restarted_engines_leave_service_the_daemon_reloads_and_nothing_stale_blocks_it(
     stack: Stack, traffic: Traffic, node: RealNode,
 ) -> None:
     stack.steady(ENGINES)
