@@ -754,7 +754,7 @@ class Reconciler:
                 undone_by[f"{pod.owner} on node {pod.node} re-creates its pods bound to "
                           f"{generation[:12]}"] = None
                 self._announce_undone(cache, pod, f"{what}: not evicted: {pod.owner} made it "
-                                      "after the operator evicted one of its pods there "
+                                      "after the operator evicted one of its pods "
                                       "bound to the same generation (its pod template "
                                       f"carries the binding); roll {pod.owner} to "
                                       f"{current[:12]} with a strategy that replaces pods "
@@ -765,7 +765,8 @@ class Reconciler:
             if why:
                 blocked.append(f"{pod.namespace}/{pod.name}: {why}")
             elif (key := rollout.controller_key(pod, generation)) is not None:
-                evicted_from.setdefault(key, rollout.EvictedFrom(present[key], now))
+                evicted_from.setdefault(key, rollout.EvictedFrom(
+                    present.get(key, frozenset({pod.uid})), now))
         if evicted_from:
             self._evicted_from[cache.uid] = evicted_from
         else:
