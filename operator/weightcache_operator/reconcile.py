@@ -737,13 +737,15 @@ class Reconciler:
             why_evicted = (f"evicted so that the node's daemon loads {current[:12]} alone "
                            "(rollout.strategy NodeByNode)")
         now = self.clock()
-        # Every pod on an older generation, on any node or none: a pod not yet scheduled at
-        # an eviction is no copy made since.
-        present = rollout.by_controller(
-            (pod, generation) for pod, generation in
-            _running_generations(state, cache, spec, current) if generation != current)
-        undone, evicted_from = rollout.recreated(
-            present, self._evicted_from.get(cache.uid, {}), now)
+        known = self._evicted_from.get(cache.uid, {})
+        present: dict[rollout.ControllerKey, frozenset[str]] = {}
+        if plan.evict_engines or known:  # else nothing to tell apart: no pod is read
+            # Every pod on an older generation, on any node or none: a pod not yet
+            # scheduled at an eviction is no copy made since.
+            present = rollout.by_controller(
+                (pod, generation) for pod, generation in
+                _running_generations(state, cache, spec, current) if generation != current)
+        undone, evicted_from = rollout.recreated(present, known, now)
         blocked: list[str] = []
         undone_by: dict[str, None] = {}
         for pod in plan.evict_engines:
