@@ -163,13 +163,25 @@ class Stack:
                   for ns in (self.namespace, SYSTEM_NS)
                   for e in self.api.core.list_namespaced_event(ns).items
                   if e.type == "Warning"]
+        ended = [f"{p.metadata.name}/{s.name} last ended: {t.reason} (exit {t.exit_code}) "
+                 f"at {t.finished_at}"
+                 for ns in (self.namespace, SYSTEM_NS)
+                 for p in self.api.core.list_namespaced_pod(ns).items
+                 for s in p.status.container_statuses or []
+                 if s.last_state and (t := s.last_state.terminated)]
         logs = []
         pod = self.daemon_pod()
         if pod is not None:
             logs = [self.cluster.kubectl("logs", "-n", SYSTEM_NS, pod.metadata.name, "-c", c,
                                          "--tail=20", check=False).stdout
                     for c in ("socket-dir", "daemon")]
-        return pods + "\n".join(events[-20:] + logs)
+            restarted = any(s.restart_count for s in pod.status.container_statuses or []
+                            if s.name == "daemon")
+            if restarted:  # why the last one ended, in its own words
+                logs.append("the daemon container's previous run:\n" + self.cluster.kubectl(
+                    "logs", "-n", SYSTEM_NS, pod.metadata.name, "-c", "daemon", "--previous",
+                    "--tail=30", check=False).stdout)
+        return pods + "\n".join(ended + events[-20:] + logs)
 
     def steady(self, deployments: tuple[str, ...] = (ENGINE,)) -> None:
         """Wait until the daemon reports ready and the engine Deployments are fully available
