@@ -46,9 +46,10 @@ import pytest
 import torch
 
 from tests.gpu.conftest import start_daemon
+from tests.gpu.random_checkpoint import write_random_checkpoint
 from tests.unit.wc_harness import wait_until
 from tools.plan_fixtures import Fixture, fixtures_by_plan, read_fixture
-from weightcache.checkpoint import cache_config, dtype_from_name, read_checkpoint
+from weightcache.checkpoint import cache_config, read_checkpoint
 from weightcache.client import attach_layout, daemon_status
 from weightcache.daemon.manifest import manifest_path
 
@@ -58,51 +59,7 @@ pytestmark = [
 ]
 BUILDS = 3
 PAGE_TABLE_PIECE = 2 << 20
-SHARD_BYTES = 4 << 30  # checkpoint files of about 4 GiB, as published checkpoints are cut
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_random_checkpoint(fixture: Fixture, out: Path, seed: int = 0) -> int:
-    """The fixture's checkpoint table as safetensors files of random bytes (made on the GPU,
-    one file at a time); returns the bytes written."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    shards: list[list[tuple[str, str, list[int]]]] = [[]]
-    size = 0
-    for entry in fixture.checkpoint:
-        nbytes = dtype_from_name(entry[1]).itemsize * _numel(entry[2])
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += nbytes
-    total = 0
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for tensor, dtype_name, shape in shard:
-            dtype = dtype_from_name(dtype_name)
-            raw = torch.randint(0, 256, (_numel(shape) * dtype.itemsize,), dtype=torch.uint8,
-                                device="cuda", generator=generator)  # fmt: skip
-            tensors[tensor] = raw.view(dtype).view(shape).cpu()
-            weight_map[tensor] = name
-            total += raw.numel()
-        save_file(tensors, str(out / name))
-        del tensors
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
-    return total
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def build_once(model_dir: Path, fixture: Fixture, run: Path) -> tuple[dict, object]:
