@@ -136,6 +136,7 @@ def wait_for(predicate, what: str, within: float = 120.0, daemon: DaemonProcess 
 def llama8b_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("llama8b")
     write_random_checkpoint(read_fixture(FIXTURES / "vllm-llama-3-8b.json"), path)
+    torch.cuda.empty_cache()  # the writer's cached blocks would count against the daemons
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
