@@ -159,14 +159,21 @@ def checkpoint_bytes(model: Path) -> int:
     return sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
 
+def an_engine_left_by_its_daemon(tmp: Path, model: Path) -> tuple[subprocess.Popen, str, int]:
+    """An engine holding revision r1, whose daemon is then killed: the switch to the next
+    revision, whose daemon takes the r1 weights back from it."""
+    first = start(tmp, model, "r1", H1)
+    first.wait_ready(timeout=600)
+    held = engine(first.socket_path, model, "r1")
+    kill(first)
+    return held
+
+
 def test_two_8b_generations_beside_an_engine_each_then_the_old_freed(
     tmp_path: Path, llama8b_dir: Path, figures: dict
 ) -> None:
     need = checkpoint_bytes(llama8b_dir)
-    first = start(tmp_path, llama8b_dir, "r1", H1)
-    first.wait_ready(timeout=600)
-    old, fp1, sum1 = engine(first.socket_path, llama8b_dir, "r1")
-    kill(first)  # the switch: the daemon replaced by one of the next revision
+    old, fp1, sum1 = an_engine_left_by_its_daemon(tmp_path, llama8b_dir)
     second = start(tmp_path, llama8b_dir, "r2", H2)
     try:
         second.wait_ready(timeout=600)
@@ -206,10 +213,7 @@ def test_a_gpu_too_full_for_both_waits_for_room(
     tmp_path: Path, llama8b_dir: Path, figures: dict
 ) -> None:
     need = checkpoint_bytes(llama8b_dir)
-    first = start(tmp_path, llama8b_dir, "r1", H1)
-    first.wait_ready(timeout=600)
-    old, _, _ = engine(first.socket_path, llama8b_dir, "r1")
-    kill(first)
+    old, _, _ = an_engine_left_by_its_daemon(tmp_path, llama8b_dir)
     free, _ = torch.cuda.mem_get_info(0)
     # Room for the new daemon's CUDA context with gigabytes to spare, and half of what the
     # new generation needs: the wait holds by 8 GB either way, whatever a context costs.
