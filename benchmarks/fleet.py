@@ -113,6 +113,7 @@ class DaemonPod:
     deleting: bool
     spec_hash: str
     controlled: bool
+    ready: bool = False
 
 
 @dataclass
@@ -166,6 +167,8 @@ class FleetView:
             deleting=meta.get("deletionTimestamp") is not None,
             spec_hash=env.get(SPEC_HASH_ENV, ""),
             controlled=owner.get("kind") == "DaemonSet",
+            ready=any(c.get("type") == "Ready" and c.get("status") == "True"
+                      for c in (pod.get("status") or {}).get("conditions") or []),
         )
 
     def on_node(self, kind: str, node: dict[str, Any], now: float) -> None:

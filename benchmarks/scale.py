@@ -101,7 +101,7 @@ from tests.k8s.operator_flow import (
     install_operator_account,
 )
 from tools.testenv import assets, kubeconfig
-from tools.testenv.cluster import Cluster, interrupt_on_termination
+from tools.testenv.cluster import READINESS_FROM_REPORTS, Cluster, interrupt_on_termination
 from weightcache.report import PHASE_LOADING
 from weightcache_operator import gate, names, rbac, rollout
 from weightcache_operator.spec import parse_spec, spec_hash
@@ -125,6 +125,10 @@ TOKEN_SECONDS = 6 * 3600
 # A wave's reports need not say anything new to the operator for this long
 # before its writes count as settled (longer than any coalescing delay).
 POLL = 0.25
+# The daemon pods' toleration that makes kwok keep them NotReady until their reports say Ready,
+# as the daemon's readiness probe does (tools/testenv/kwok/stages.yaml): the DaemonSet
+# controller and NodeByNode pace a rollout by it.
+PROBED = {"key": READINESS_FROM_REPORTS, "operator": "Exists", "effect": "NoSchedule"}
 
 
 @dataclass(frozen=True)
@@ -943,9 +947,9 @@ class FleetRun:
                     if fresh and (node not in done or done[node].uid != pod.uid):
                         done[node] = pod
                         futures.append(pool.submit(self._load, pod, changes))
-                    # In flight as the operator counts it: until the new daemon pod runs
-                    # (Ready, which kwok marks at once; the reports follow).
-                    seen[node] = (was in gates, fresh, fresh)
+                    # In flight as the operator counts it: until the new daemon pod is Ready
+                    # (kwok's readiness follows its reports).
+                    seen[node] = (was in gates, fresh, fresh and pod.ready)
                     for name, bound in ((was, old), (now_named, new)):
                         if name in gates:
                             held = (pod is not None and pod.spec_hash == bound
@@ -1036,9 +1040,9 @@ class FleetRun:
         changes.other += 1
         self.revision = revision
         done: dict[str, DaemonPod] = {}
-        # Each new pod's Loading reports go first, as each daemon writes its own at once
-        # (kwok marks a daemon pod Ready at once, so the DaemonSet controller does not wait
-        # for the harness's writes); its Ready reports wait for free writers.
+        # Each new pod's Loading reports go first, as each daemon writes its own at once; its
+        # Ready reports wait for free writers. The DaemonSet controller replaces the next
+        # nodes' pods once these are Ready, which kwok makes them when their reports say so.
         loading: list[tuple[DaemonPod, Any]] = []  # Loading being reported
         loaded: list[DaemonPod] = []  # Loading reported, Ready not submitted yet
         ready: list[Any] = []
@@ -1209,6 +1213,7 @@ def policy() -> dict[str, Any]:
         # The GPU example's visible-devices needs the images restricted.
         "allowedGpuAccessModes": ["visible-devices", "device-plugin", "dra"],
         "allowedSidecarImagePrefixes": ["localhost/"],
+        "allowedTolerations": [dict(PROBED, key="nvidia.com/gpu"), PROBED],
     }
 
 
@@ -1226,7 +1231,8 @@ def weightcache(gpus: int, revision: str, max_unavailable: int | str) -> dict[st
             "transport": "vmm_fd",
             "gpuAccess": {"mode": "visible-devices"},
             "socketDir": SOCKET_ROOT,
-            "placement": {"nodeSelector": {"nvidia.com/gpu.present": "true"}},
+            "placement": {"nodeSelector": {"nvidia.com/gpu.present": "true"},
+                          "tolerations": [PROBED]},
             "engine": {"selector": {"matchLabels": {"app": ENGINE_APP}},
                        "byteTolerance": 0.01},
             "rollout": {"maxUnavailable": max_unavailable},

@@ -38,6 +38,9 @@ SERVICE_IP = "10.96.0.1"
 POD_CIDR = "10.244.0.1/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 STAGES_FILE = Path(__file__).resolve().parent / "kwok" / "stages.yaml"
+# A kwok pod that tolerates this key (any effect) is Ready only while each of its containers
+# has a report annotation saying Ready, as a daemon's readiness probe answers (stages.yaml).
+READINESS_FROM_REPORTS = "kwok.weightcache.dev/readiness-from-reports"
 # kwok renews each node's lease every quarter of this. The node controller's grace
 # period follows it (lease + 10 s: 50 s, the controller's default, for 40 s).
 NODE_LEASE_SECONDS = 40
