@@ -95,11 +95,14 @@ def test_a_surge_rollout_closes_no_bound_gate(waves: dict[str, dict[str, Any]]) 
     """Issue 42 items 2 and 5: under `rollout.strategy: Surge` each node's daemon pod is
     replaced by one keeping the engines' generation (`retained`); no bound gate closes at
     any moment (not even between two polls, as the engine watch delivered them), every
-    hand-over stayed within the operator's carry, and nothing was evicted."""
+    hand-over stayed within the operator's carry, no more nodes handed over at once than
+    the DaemonSet's maxUnavailable (kwok's readiness follows the reports), and nothing was
+    evicted."""
     record = waves["surge"]
     assert record["gate_closings"]["count"] == 0, record["gate_closings"]["examples"]
     figures = record["surge"]
     assert figures["nodes_rolled"] == NODES, figures
     assert figures["handovers_past_carry"] == 0, figures["examples_past_carry"]
     assert figures["handover_s"]["n"] == NODES
+    assert figures["max_nodes_handing_over"] <= figures["max_unavailable_nodes"], figures
     assert "create pods/eviction" not in record["operator"]["requests"]
