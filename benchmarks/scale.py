@@ -122,8 +122,7 @@ MODEL_ROOT = "/models"
 # One TP-8 shard of a 70B bf16 checkpoint.
 SHARD_BYTES = 17_637_744_640
 TOKEN_SECONDS = 6 * 3600
-# A wave's reports need not say anything new to the operator for this long
-# before its writes count as settled (longer than any coalescing delay).
+# Seconds between the harness's looks at the watches' view during a wave.
 POLL = 0.25
 # The daemon pods' toleration that makes kwok keep them NotReady until their reports say Ready,
 # as the daemon's readiness probe does (tools/testenv/kwok/stages.yaml): the DaemonSet
