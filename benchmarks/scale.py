@@ -79,6 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
 from benchmarks import apimetrics
@@ -104,6 +105,7 @@ from tools.testenv import assets, kubeconfig
 from tools.testenv.cluster import READINESS_FROM_REPORTS, Cluster, interrupt_on_termination
 from weightcache.report import PHASE_LOADING
 from weightcache_operator import gate, names, rbac, rollout
+from weightcache_operator.policy import GPU_TAINT
 from weightcache_operator.spec import parse_spec, spec_hash
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1212,7 +1214,7 @@ def policy() -> dict[str, Any]:
         # The GPU example's visible-devices needs the images restricted.
         "allowedGpuAccessModes": ["visible-devices", "device-plugin", "dra"],
         "allowedSidecarImagePrefixes": ["localhost/"],
-        "allowedTolerations": [dict(PROBED, key="nvidia.com/gpu"), PROBED],
+        "allowedTolerations": [msgspec.to_builtins(GPU_TAINT), PROBED],
     }
 
 

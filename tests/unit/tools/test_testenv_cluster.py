@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import yaml
+
 from tools.testenv import cluster, nodes, pki
 
 PORTS = cluster.Ports(
@@ -95,3 +97,14 @@ def test_node_ready_reads_the_ready_condition() -> None:
         {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
     )
     assert not cluster._node_ready({})
+
+
+def test_both_readiness_from_reports_stages_name_the_clusters_toleration_key() -> None:
+    """The key lives twice in stages.yaml (a Go template, a jq selector) and once in
+    Python: the pod that starts NotReady and the stage that makes it Ready must agree."""
+    stages = {s["metadata"]["name"]: s for s in yaml.safe_load_all(cluster.STAGES_FILE.read_text())
+              if s}
+    start = stages["pod-ready"]["spec"]["next"]["statusTemplate"]
+    flip = stages["pod-readiness-from-reports"]["spec"]["selector"]["matchExpressions"]
+    assert f'"{cluster.READINESS_FROM_REPORTS}"' in start
+    assert any(f'"{cluster.READINESS_FROM_REPORTS}"' in e["key"] for e in flip)
