@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,20 +19,46 @@ from pathlib import Path
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+EPHEMERAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Above the ports Kubernetes' own components and common services listen on (kubelet 10250…).
+_LOWEST_TEST_PORT = 20000
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports that were free a moment ago (held open together so none repeats)."""
-    sockets = []
+    """`count` distinct ports that were free a moment ago, outside the ephemeral range.
+
+    A port the kernel hands out for bind(0) comes from the range it also gives every outgoing
+    connection: one chosen for a process that restarts later (the operator, its liveness
+    endpoint) can meanwhile be some client's local port, and the restart fails with EADDRINUSE.
+    Below that range only an explicit bind takes a port. Held open together so none repeats.
+    """
+    candidates = _listen_port_candidates()
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in random.sample(candidates, len(candidates)):
+            if len(sockets) == count:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
+        if len(sockets) < count:
+            raise RuntimeError(f"fewer than {count} free ports outside the ephemeral range")
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def _listen_port_candidates() -> range:
+    """Ports the kernel never picks as an outgoing connection's local port."""
+    low, high = (int(v) for v in EPHEMERAL_PORT_RANGE.read_text().split())
+    if low - _LOWEST_TEST_PORT >= 1000:
+        return range(_LOWEST_TEST_PORT, low)
+    return range(high + 1, 65536)
 
 
 def port_is_listening(port: int, host: str = "127.0.0.1") -> bool:

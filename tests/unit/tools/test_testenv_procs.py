@@ -15,6 +15,22 @@ def test_free_ports_are_distinct_and_bindable() -> None:
             s.bind(("127.0.0.1", port))
 
 
+def test_free_ports_are_never_an_outgoing_connections_local_port() -> None:
+    # The kernel picks outgoing connections' local ports from this range: a port from it,
+    # chosen for a process that restarts later, may be taken by then (EADDRINUSE).
+    low, high = (int(v) for v in procs.EPHEMERAL_PORT_RANGE.read_text().split())
+    assert not [p for p in procs.free_ports(50) if low <= p <= high]
+
+
+def test_free_ports_skip_a_port_already_listening() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", procs.free_ports(1)[0]))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        for _ in range(20):
+            assert busy not in procs.free_ports(200)
+
+
 def test_port_is_listening_sees_a_listener() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
