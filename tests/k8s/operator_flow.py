@@ -14,6 +14,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -473,14 +474,15 @@ class DaemonProcess:
         log.close()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """Stops the daemon for good: each DaemonProcess runs once, so its socket dir goes."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
