@@ -7,11 +7,15 @@ What the daemon reports (``memoryTotalBytes``, ``memoryFreeBytes``) and what
 - CUDA: ``cudaMemGetInfo`` of the daemon's device (``torch.cuda.mem_get_info``):
   the whole GPU, every process's allocations counted. Not run in CI (no GPU
   there): :func:`cuda_memory` is the only CUDA path of this module.
-- CPU: the daemon's own cgroup, found through ``/proc/self/cgroup``: v2
-  ``memory.max`` and ``memory.current``, v1 ``memory.limit_in_bytes`` and
-  ``memory.usage_in_bytes``, the tightest of its cgroup and the cgroups above
-  it that the container can see (a pod's limit may sit one level up); without
-  any limit, the node's ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``).
+- CPU: the daemon's own cgroup, found through ``/proc/self/cgroup``: the limit
+  less the working set, as the kubelet counts it (v2 ``memory.max``, then
+  ``memory.current`` less ``inactive_file`` of ``memory.stat``; v1
+  ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` less ``total_inactive_file``),
+  the tightest of its cgroup and the cgroups above it that the container can see
+  (a pod's limit may sit one level up); without any limit, the node's
+  ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``). Inactive page cache (a
+  checkpoint just read from disk) is given back before the cgroup's OOM killer
+  acts, so it is room; the weights' memfd pages are shmem, never on that list.
 
 Inside a container the hierarchy is mounted at the container's own cgroup,
 while ``/proc/self/cgroup`` names the host's path (cgroup v1, or v2 without a
@@ -69,21 +73,38 @@ def cpu_memory(
 
 def cgroup_memory(proc_cgroup: str, root: Path) -> DeviceMemory | None:
     """The tightest memory limit over this process's cgroup and its visible ancestors, as
-    (limit, limit − usage), or None when none of them has one."""
+    (limit, limit − working set), or None when none of them has one."""
     best: DeviceMemory | None = None
     for version, directory in _cgroup_dirs(proc_cgroup, root):
-        limit_file, usage_file = (("memory.max", "memory.current") if version == 2
-                                  else ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        limit_file, usage_file, inactive_stat = (
+            ("memory.max", "memory.current", "inactive_file") if version == 2
+            else ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
         with contextlib.suppress(OSError, ValueError):
             raw = (directory / limit_file).read_text().strip()
             if raw == "max" or int(raw) >= _UNLIMITED:
                 continue
             limit = int(raw)
             usage = int((directory / usage_file).read_text().strip())
-            found = DeviceMemory(limit, max(0, limit - usage), f"cgroup v{version} {directory}")
+            working_set = max(0, usage - _stat(directory / "memory.stat", inactive_stat))
+            found = DeviceMemory(limit, max(0, limit - working_set),
+                                 f"cgroup v{version} {directory}")
             if best is None or found.free < best.free:
                 best = found
     return best
+
+
+def _stat(path: Path, name: str) -> int:
+    """One counter of a cgroup's ``memory.stat``; 0 where the file or the line is missing
+    (the working set is then the whole usage, as before the kernel had the counter)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return int(value)
+    return 0
 
 
 def _cgroup_dirs(proc_cgroup: str, root: Path) -> list[tuple[int, Path]]:

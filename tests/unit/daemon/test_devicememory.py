@@ -47,6 +47,38 @@ def test_cgroup_v1_inside_a_container_reads_its_own_mount(tmp_path) -> None:
     assert found is not None and (found.total, found.free) == (1024 * MIB, 324 * MIB)
 
 
+def test_inactive_page_cache_is_room_as_the_kubelet_counts_it(tmp_path) -> None:
+    """A checkpoint read from disk leaves page cache charged to the cgroup; the kernel
+    reclaims its inactive part before an OOM kill, so it is free (the kubelet's working
+    set is usage less inactive_file). Active file pages and shmem (the weights' memfd)
+    are not on that list, and stay used."""
+    write(tmp_path, {"pod/memory.max": f"{1024 * MIB}\n",
+                     "pod/memory.current": f"{900 * MIB}\n",
+                     "pod/memory.stat": f"anon {100 * MIB}\nfile {800 * MIB}\n"
+                                        f"shmem {300 * MIB}\nactive_file {100 * MIB}\n"
+                                        f"inactive_file {400 * MIB}\n"})
+    found = devicememory.cgroup_memory("0::/pod\n", tmp_path)
+    assert found is not None and (found.total, found.free) == (1024 * MIB, 524 * MIB)
+
+
+def test_cgroup_v1_takes_the_hierarchys_inactive_page_cache(tmp_path) -> None:
+    """v1's memory.stat has the cgroup's own inactive_file and total_inactive_file, its
+    children's included, as usage_in_bytes includes them: the total is the one to take."""
+    write(tmp_path, {"memory/pod/memory.limit_in_bytes": f"{1024 * MIB}\n",
+                     "memory/pod/memory.usage_in_bytes": f"{700 * MIB}\n",
+                     "memory/pod/memory.stat": f"inactive_file 0\nactive_file 0\n"
+                                               f"total_inactive_file {200 * MIB}\n"})
+    found = devicememory.cgroup_memory("4:memory:/pod\n", tmp_path)
+    assert found is not None and found.free == 524 * MIB
+
+
+def test_without_memory_stat_the_whole_usage_counts(tmp_path) -> None:
+    write(tmp_path, {"pod/memory.max": f"{1024 * MIB}\n",
+                     "pod/memory.current": f"{900 * MIB}\n"})
+    found = devicememory.cgroup_memory("0::/pod\n", tmp_path)
+    assert found is not None and found.free == 124 * MIB
+
+
 def test_without_a_limit_the_nodes_meminfo_counts(tmp_path) -> None:
     write(tmp_path, {"memory/memory.limit_in_bytes": "9223372036854771712\n",
                      "memory/memory.usage_in_bytes": "1\n",
