@@ -61,8 +61,9 @@ test-engines: venv
 test: lint
 	$(MAKE) -k -j2 --output-sync=target test-k8s test-local
 
+# --durations: the slowest tests in CI's log, where the lane's minutes go.
 test-k8s: testenv
-	$(PY) -m pytest -rs tests/k8s
+	$(PY) -m pytest -rs --durations=25 tests/k8s
 
 # The venvs first, all four, while the other lane compiles Go: downloads beside CPU work.
 test-local: csi-stubs engine-venvs
