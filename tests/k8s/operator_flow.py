@@ -320,6 +320,18 @@ def rollout_complete(api: Api, namespace: str, name: str) -> bool:
             and not s.unavailable_replicas)
 
 
+def terminate(proc: subprocess.Popen | None, grace: float) -> None:
+    """SIGTERM a process still running, SIGKILL it after `grace` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class OperatorProcess:
     """`python -m weightcache_operator run` with only the given kubeconfig's rights."""
 
@@ -385,14 +397,7 @@ class OperatorProcess:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, grace=20)
 
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
@@ -475,13 +480,7 @@ class DaemonProcess:
 
     def stop(self) -> None:
         """Stops the daemon for good: each DaemonProcess runs once, so its socket dir goes."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, grace=30)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:
