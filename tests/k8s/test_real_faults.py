@@ -505,6 +505,28 @@ def test_socket_filesystem_full_writes_fail_clearly_serving_goes_on_next_start_r
                     load_source=status["load_source"], event=event.message[:200])
     assert counts["failed_ready"] == counts["wrong"] == 0, traffic.failures(since, until)
     assert closed_gates_reopened(stack, traffic, since), traffic.gate_changes(since)
+    with_room_again(stack, "room")
+
+
+def with_room_again(stack: Stack, version: str) -> None:
+    """Once the filesystem has room again, nothing writes the daemon's manifest or the
+    engines' hand-back sockets before their next start: the daemon restarted (it writes its
+    manifest) and the engines rolled to `version` (each offers its weights back), so that the
+    next daemon replacement re-adopts. Without it, the soak after this test counted every
+    gate closing while the daemon it replaced reloaded from disk."""
+    old = stack.daemon_pod()
+    assert old is not None
+    stack.kubectl("delete", "pod", "-n", old.metadata.namespace, old.metadata.name,
+                  "--wait=true")
+    pod = eventually("a new daemon pod, ready, its manifest written", lambda: daemon_ready_again(
+        stack, lambda p: p.metadata.uid != old.metadata.uid), bound=300)
+    assert stack.daemon_status(pod)["warning"] is None, stack.daemon_status(pod)
+    stack.apply(*(stack.engine_deployment(version, gid(stack), name) for name in ENGINES))
+    for name in ENGINES:
+        eventually(f"{name} rolled to {version}", lambda n=name: stack.ready_engine(version, n),
+                   bound=300)
+    eventually("every engine offering its weights back", lambda: len(engine_sockets(
+        socket_files(stack))) == len(ENGINES), bound=120)
 
 
 def test_soak_rolling_engines_and_deleted_daemons_serve_every_request(
