@@ -153,7 +153,6 @@ class EnginePodWatch:
         self._judging = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._response: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         # The context of the caller of judge() (a kopf handler's: kopf.event needs it): every
         # judgement runs in a copy of it, whichever thread saw the event.
@@ -172,13 +171,11 @@ class EnginePodWatch:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the watch at its next line, without waiting for it: the reading thread is a
+        daemon, which the process does not wait for. Closing the response from here waited
+        for the read the thread is blocked in (a quiet cluster sends nothing for minutes),
+        which held kopf's shutdown, and the writes it flushes, until the pod was killed."""
         self._stop.set()
-        response = self._response
-        if response is not None:
-            try:
-                response.close()
-            except Exception:  # noqa: BLE001 - the reader thread ends either way
-                pass
 
     @property
     def judging(self) -> bool:
@@ -325,7 +322,6 @@ class EnginePodWatch:
             label_selector=SELECTOR, watch=True, allow_watch_bookmarks=True,
             resource_version=version, timeout_seconds=WATCH_SECONDS,
             _preload_content=False, _request_timeout=(10, WATCH_SECONDS + 30))
-        self._response = response
         try:
             for line in iter_resp_lines(response):
                 if self._stop.is_set():
@@ -343,6 +339,5 @@ class EnginePodWatch:
                 del event, obj
                 loop.call_soon_threadsafe(self._deliver, kind, view)
         finally:
-            self._response = None
             response.release_conn()
         return version

@@ -10,6 +10,7 @@ Waits poll for a state with a generous bound; nothing asserts on time.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ pytestmark = pytest.mark.k8s
 POOL_LABEL = "weightcache.dev/test-pool"
 # Holds a daemon pod in Terminating, as a kubelet does while the old daemon drains.
 HOLD = "weightcache.dev/test-hold"
+# A pod's terminationGracePeriodSeconds when its spec says none (the operator's does not).
+DEFAULT_GRACE_SECONDS = 30
 
 
 
@@ -525,3 +528,19 @@ def test_spec_change_mid_rollout_holds_gates_until_new_spec_reported(
     }
     pool.api.wait_events(ns, name, gate.FINGERPRINT_MISMATCH)
     operator.check_running()
+
+
+def test_sigterm_ends_the_operator_after_its_cleanup(operator: OperatorProcess) -> None:
+    """An operator pod being replaced (an upgrade, a drain) gets SIGTERM, and SIGKILL a
+    grace period later: the operator exits by itself before it, its cleanup (the coalesced
+    writes still due) done. Its engine pod watch, blocked in a read on a quiet cluster,
+    held the exit until the kill, and the cleanup never finished."""
+    assert operator.proc is not None
+    try:
+        operator.proc.send_signal(signal.SIGTERM)
+        code = operator.proc.wait(timeout=DEFAULT_GRACE_SECONDS)
+        assert code == 0, operator.log_tail()
+        assert "Activity 'flush_writes' succeeded" in operator.log_tail(), operator.log_tail()
+    finally:
+        operator.stop()
+        operator.start()

@@ -1,4 +1,5 @@
-"""The engine pods' index and how their changes are judged (podwatch.py), events fed by hand.
+"""The engine pods' index and how their changes are judged (podwatch.py), events fed by hand;
+stop() against a real HTTP server whose watch never ends.
 
 The watch itself (a list in pages, then a watch, at the apiserver, by label) runs
 against the real apiserver in tests/k8s/test_webhook.py and tests/k8s/test_tenants.py.
@@ -7,8 +8,15 @@ against the real apiserver in tests/k8s/test_webhook.py and tests/k8s/test_tenan
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+from collections.abc import Iterator
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import pytest
+from kubernetes import client
 
 from weightcache_operator import podwatch, views
 
@@ -125,3 +133,80 @@ def test_the_pods_the_watch_cannot_see_are_found_by_the_caches_own_selectors() -
                "app.kubernetes.io/component!=daemon"),
         ("team", "app=engine,tier=gpu,track in (a,b),canary notin (yes),model,!draining,"
                  "weightcache.dev/gated!=true")]
+
+
+class QuietApiserver(BaseHTTPRequestHandler):
+    """Lists no pods; a watch gets one bookmark, then nothing until `closing` (a quiet
+    cluster: the next event may be minutes away)."""
+
+    watches = 0
+    watching = threading.Event()
+    closing = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        watch = "watch=true" in self.path.lower()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if not watch:
+            body = json.dumps({"kind": "PodList", "metadata": {"resourceVersion": "7"},
+                               "items": []}).encode()
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        QuietApiserver.watches += 1
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        line = json.dumps({"type": "BOOKMARK", "object": {
+            "metadata": {"resourceVersion": "8"}}}).encode() + b"\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+        self.wfile.flush()
+        self.watching.set()
+        self.closing.wait(60)
+        self.wfile.write(b"0\r\n\r\n")  # the server ends the watch
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def quiet_apiserver() -> Iterator[client.CoreV1Api]:
+    QuietApiserver.watches = 0
+    QuietApiserver.watching.clear()
+    QuietApiserver.closing.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), QuietApiserver)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = client.Configuration()
+    config.host = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield client.CoreV1Api(client.ApiClient(config))
+    finally:
+        QuietApiserver.closing.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_stop_returns_at_once_on_a_quiet_watch_and_nothing_watches_again(
+    quiet_apiserver: client.CoreV1Api,
+) -> None:
+    """kopf's shutdown calls stop() on the event loop: it must not wait for the watch's
+    next event (closing the response there did, up to a whole watch, and the operator did
+    not exit on SIGTERM). The reading thread, which the process does not wait for, ends
+    when the stream does, without watching again."""
+    async def scenario() -> threading.Thread:
+        watch = podwatch.EnginePodWatch(quiet_apiserver, Judge())
+        await watch.start()
+        assert QuietApiserver.watching.wait(10), "the watch never reached the server"
+        stopping = threading.Thread(target=watch.stop, daemon=True)
+        stopping.start()
+        stopping.join(10)
+        assert not stopping.is_alive(), "stop() waited for the blocked read"
+        assert watch._thread is not None and watch._thread.daemon
+        return watch._thread
+
+    reader = asyncio.run(scenario())
+    QuietApiserver.closing.set()
+    reader.join(10)
+    assert not reader.is_alive(), "the watch thread reads on"
+    assert QuietApiserver.watches == 1
