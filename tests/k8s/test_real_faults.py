@@ -230,6 +230,17 @@ def daemon_ready_again(stack: Stack, check: Callable[[k8s.V1Pod], bool]) -> k8s.
     return pod
 
 
+def replace_daemon(stack: Stack, successor: str) -> k8s.V1Pod:
+    """The daemon pod deleted (and gone), then its successor once it is Ready and reported
+    Ready (`successor`: what is waited for, for the failure's message)."""
+    old = stack.daemon_pod()
+    assert old is not None
+    stack.kubectl("delete", "pod", "-n", old.metadata.namespace, old.metadata.name,
+                  "--wait=true")
+    return eventually(successor, lambda: daemon_ready_again(
+        stack, lambda p: p.metadata.uid != old.metadata.uid), bound=300)
+
+
 def gid(stack: Stack) -> int:
     return stack.daemon_gid()
 
@@ -481,12 +492,7 @@ def test_socket_filesystem_full_writes_fail_clearly_serving_goes_on_next_start_r
         refill()  # what the old engines' sockets freed
         # The daemon restarts: no engine offers, so it loads from disk; its manifest
         # cannot be written, and its status and an event say so.
-        old = stack.daemon_pod()
-        assert old is not None
-        stack.kubectl("delete", "pod", "-n", old.metadata.namespace, old.metadata.name,
-                      "--wait=true")
-        pod = eventually("a new daemon pod, ready", lambda: daemon_ready_again(
-            stack, lambda p: p.metadata.uid != old.metadata.uid), bound=300)
+        pod = replace_daemon(stack, "a new daemon pod, ready")
         status = stack.daemon_status(pod)
         assert status["load_source"] == "disk", status
         assert "no live engine to re-adopt from" in status["load_reason"], status
@@ -514,12 +520,7 @@ def with_room_again(stack: Stack, version: str) -> None:
     manifest) and the engines rolled to `version` (each offers its weights back), so that the
     next daemon replacement re-adopts. Without it, the soak after this test counted every
     gate closing while the daemon it replaced reloaded from disk."""
-    old = stack.daemon_pod()
-    assert old is not None
-    stack.kubectl("delete", "pod", "-n", old.metadata.namespace, old.metadata.name,
-                  "--wait=true")
-    pod = eventually("a new daemon pod, ready, its manifest written", lambda: daemon_ready_again(
-        stack, lambda p: p.metadata.uid != old.metadata.uid), bound=300)
+    pod = replace_daemon(stack, "a new daemon pod, ready, its manifest written")
     assert stack.daemon_status(pod)["warning"] is None, stack.daemon_status(pod)
     stack.apply(*(stack.engine_deployment(version, gid(stack), name) for name in ENGINES))
     for name in ENGINES:
