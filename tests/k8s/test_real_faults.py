@@ -511,20 +511,20 @@ def test_socket_filesystem_full_writes_fail_clearly_serving_goes_on_next_start_r
                     load_source=status["load_source"], event=event.message[:200])
     assert counts["failed_ready"] == counts["wrong"] == 0, traffic.failures(since, until)
     assert closed_gates_reopened(stack, traffic, since), traffic.gate_changes(since)
-    with_room_again(stack, "room")
+    with_room_again(stack)
 
 
-def with_room_again(stack: Stack, version: str) -> None:
+def with_room_again(stack: Stack) -> None:
     """Once the filesystem has room again, nothing writes the daemon's manifest or the
     engines' hand-back sockets before their next start: the daemon restarted (it writes its
-    manifest) and the engines rolled to `version` (each offers its weights back), so that the
+    manifest) and the engines rolled to version "room" (each offers its weights back), so that the
     next daemon replacement re-adopts. Without it, the soak after this test counted every
     gate closing while the daemon it replaced reloaded from disk."""
     pod = replace_daemon(stack, "a new daemon pod, ready, its manifest written")
     assert stack.daemon_status(pod)["warning"] is None, stack.daemon_status(pod)
-    stack.apply(*(stack.engine_deployment(version, gid(stack), name) for name in ENGINES))
+    stack.apply(*(stack.engine_deployment("room", gid(stack), name) for name in ENGINES))
     for name in ENGINES:
-        eventually(f"{name} rolled to {version}", lambda n=name: stack.ready_engine(version, n),
+        eventually(f"{name} rolled to room", lambda n=name: stack.ready_engine("room", n),
                    bound=300)
     eventually("every engine offering its weights back", lambda: len(engine_sockets(
         socket_files(stack))) == len(ENGINES), bound=120)
